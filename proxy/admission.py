@@ -1,0 +1,264 @@
+"""The admission policy: who may start prefilling where, and who waits.
+
+Pure state, no I/O and no asyncio: the clock is injected, so that tests drive it
+with a fake one. ``gate.py`` puts the waiting (futures, timers, cancellation) on top.
+
+The rule, per upstream: a *large* prefill is admitted only while that upstream is
+healthy, has at most ``max_decodes_for_large`` live protected decodes and fewer
+than ``max_large_in_flight`` large prefills still prefilling. Otherwise it waits
+in one queue ordered by (priority, arrival); lower priority values go first, as
+in vLLM. *Interactive* requests are never queued. A queued ticket leaves when the
+rule lets it in, when its wait bound passes (``expire``: admit or reject), or when
+its client goes away (``finish``).
+
+A ticket's life: QUEUED? -> PREFILLING -> DECODING? -> DONE. Every transition
+updates the counters of its upstream, and ``finish`` is the single exit: calling
+it twice is a bug and raises.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+
+class RequestClass(str, enum.Enum):
+    INTERACTIVE = "interactive"
+    LARGE = "large"
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+class Decision(str, enum.Enum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_large_in_flight: int = 1
+    max_decodes_for_large: int = 0
+    max_queue: int = 256
+    max_queue_wait: float = 30.0
+    admit_on_timeout: bool = True
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request as the policy sees it. Fields after ``prefer`` belong to the policy."""
+
+    cls: RequestClass
+    tokens: int
+    protected: bool = True
+    priority: int = 0
+    prefer: str | None = None
+    id: int = 0
+    phase: Phase = Phase.NEW
+    upstream: str | None = None
+    arrived: float = 0.0
+    deadline: float = float("inf")
+    admitted_at: float | None = None
+    expired: bool = False  # admitted because its wait bound passed
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.id)
+
+
+@dataclass
+class UpstreamState:
+    name: str
+    healthy: bool = True
+    active: int = 0  # admitted, not done
+    live_decodes: int = 0  # protected requests in their decode phase
+    large_in_flight: int = 0  # large prefills still prefilling
+    prefill_tokens: int = 0  # estimated prompt tokens of requests still prefilling
+
+
+@dataclass
+class Snapshot:
+    queue_depth: int
+    upstreams: dict[str, UpstreamState] = field(default_factory=dict)
+
+
+class PolicyError(RuntimeError):
+    """A caller broke the ticket protocol (released twice, decoded before admission)."""
+
+
+class AdmissionPolicy:
+    def __init__(self, upstreams: Iterable[str], limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic):
+        self.limits = limits
+        self.clock = clock
+        self.upstreams = {name: UpstreamState(name) for name in upstreams}
+        if not self.upstreams:
+            raise ValueError("the policy needs at least one upstream")
+        self._queue: list[Ticket] = []  # sorted by (priority, id)
+        self._ids = itertools.count(1)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def queued(self) -> list[Ticket]:
+        return list(self._queue)
+
+    def position(self, ticket: Ticket) -> int:
+        """0-based place of a queued ticket (the number ahead of it)."""
+        return self._queue.index(ticket)
+
+    def retry_after(self) -> float:
+        """Seconds until the queue is sure to move: the earliest deadline among queued tickets."""
+        if not self._queue:
+            return 1.0
+        return max(1.0, min(t.deadline for t in self._queue) - self.clock())
+
+    def next_deadline(self) -> float | None:
+        return min((t.deadline for t in self._queue), default=None)
+
+    def due(self) -> list[Ticket]:
+        now = self.clock()
+        return [t for t in self._queue if t.deadline <= now]
+
+    def large_in_flight(self, upstream: str) -> bool:
+        return self.upstreams[upstream].large_in_flight > 0
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            queue_depth=len(self._queue),
+            upstreams={n: UpstreamState(**vars(u)) for n, u in self.upstreams.items()},
+        )
+
+    # ------------------------------------------------------------ transitions
+    def submit(self, ticket: Ticket) -> Decision:
+        if ticket.phase is not Phase.NEW:
+            raise PolicyError(f"ticket {ticket.id} submitted twice")
+        ticket.id = next(self._ids)
+        ticket.arrived = self.clock()
+        if ticket.cls is RequestClass.INTERACTIVE:
+            self._admit(ticket, self._pick_any(ticket.prefer))
+            return Decision.ADMITTED
+        if len(self._queue) >= self.limits.max_queue and not self._can_start_now():
+            ticket.phase = Phase.DONE
+            return Decision.REJECTED
+        ticket.deadline = ticket.arrived + self.limits.max_queue_wait
+        ticket.phase = Phase.QUEUED
+        bisect.insort(self._queue, ticket, key=lambda t: t.sort_key)
+        self._pump()
+        return Decision.ADMITTED if ticket.phase is Phase.PREFILLING else Decision.QUEUED
+
+    def start_decoding(self, ticket: Ticket) -> list[Ticket]:
+        """The first content chunk arrived: the prefill is over. Returns tickets admitted by it."""
+        if ticket.phase is not Phase.PREFILLING:
+            raise PolicyError(f"ticket {ticket.id} cannot start decoding from {ticket.phase.value}")
+        up = self.upstreams[ticket.upstream]
+        self._end_prefill(up, ticket)
+        ticket.phase = Phase.DECODING
+        if ticket.protected:
+            up.live_decodes += 1
+        return self._pump()
+
+    def finish(self, ticket: Ticket) -> list[Ticket]:
+        """The single exit for every ticket, in any phase. Returns tickets admitted by it."""
+        phase = ticket.phase
+        if phase in (Phase.DONE, Phase.NEW):
+            raise PolicyError(f"ticket {ticket.id} finished from {phase.value}")
+        ticket.phase = Phase.DONE
+        if phase is Phase.QUEUED:
+            self._queue.remove(ticket)
+            return self._pump()
+        up = self.upstreams[ticket.upstream]
+        up.active -= 1
+        if phase is Phase.PREFILLING:
+            self._end_prefill(up, ticket)
+        elif ticket.protected:
+            up.live_decodes -= 1
+        return self._pump()
+
+    def expire(self, ticket: Ticket) -> Decision:
+        """The ticket's wait bound passed: admit it anyway or reject it, per the limits."""
+        if ticket.phase is not Phase.QUEUED:
+            raise PolicyError(f"ticket {ticket.id} expired from {ticket.phase.value}")
+        self._queue.remove(ticket)
+        if not self.limits.admit_on_timeout:
+            ticket.phase = Phase.DONE
+            return Decision.REJECTED
+        ticket.expired = True
+        self._admit(ticket, self._pick_least_busy())
+        return Decision.ADMITTED
+
+    def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
+        self.upstreams[upstream].healthy = healthy
+        return self._pump() if healthy else []
+
+    # ---------------------------------------------------------------- helpers
+    def _healthy(self) -> list[UpstreamState]:
+        ups = [u for u in self.upstreams.values() if u.healthy]
+        return ups or list(self.upstreams.values())  # all down: try anyway, errors will tell
+
+    def _pick_any(self, prefer: str | None) -> UpstreamState:
+        ups = self._healthy()
+        for u in ups:
+            if u.name == prefer:
+                return u
+        return min(ups, key=lambda u: u.active)
+
+    def _pick_least_busy(self) -> UpstreamState:
+        return min(self._healthy(), key=lambda u: (u.large_in_flight, u.live_decodes, u.active))
+
+    def _eligible(self, ticket: Ticket | None = None) -> UpstreamState | None:
+        lim = self.limits
+        ok = [
+            u
+            for u in self.upstreams.values()
+            if u.healthy and u.large_in_flight < lim.max_large_in_flight and u.live_decodes <= lim.max_decodes_for_large
+        ]
+        if not ok:
+            return None
+        if ticket is not None:
+            for u in ok:
+                if u.name == ticket.prefer:
+                    return u
+        return min(ok, key=lambda u: (u.live_decodes, u.active))
+
+    def _can_start_now(self) -> bool:
+        return not self._queue and self._eligible() is not None
+
+    def _admit(self, ticket: Ticket, up: UpstreamState) -> None:
+        ticket.phase = Phase.PREFILLING
+        ticket.upstream = up.name
+        ticket.admitted_at = self.clock()
+        up.active += 1
+        up.prefill_tokens += ticket.tokens
+        if ticket.cls is RequestClass.LARGE:
+            up.large_in_flight += 1
+
+    def _end_prefill(self, up: UpstreamState, ticket: Ticket) -> None:
+        up.prefill_tokens -= ticket.tokens
+        if ticket.cls is RequestClass.LARGE:
+            up.large_in_flight -= 1
+
+    def _pump(self) -> list[Ticket]:
+        """Admit queued tickets, head first, while the rule allows. Strict order: the
+        head blocks those behind it (every large prefill needs the same condition)."""
+        admitted = []
+        while self._queue:
+            head = self._queue[0]
+            up = self._eligible(head)
+            if up is None:
+                break
+            self._queue.pop(0)
+            self._admit(head, up)
+            admitted.append(head)
+        return admitted

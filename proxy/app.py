@@ -1,0 +1,198 @@
+"""The FastAPI app factory: wires the stages; the lifespan owns the clients.
+
+Routes:
+  POST /v1/chat/completions, /v1/completions   through the gate
+  any  /v1/*, /tokenize, /detokenize, /version  passed through unchanged
+  GET  /health                                  the proxy and which upstreams answer
+  GET  /metrics                                 Prometheus text
+
+The gate's state lives in this process: run one uvicorn worker per proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .admission import AdmissionPolicy, Limits
+from .errors import ProxyError
+from .estimate import (
+    Calibrator,
+    Estimator,
+    ExactCounter,
+    TiktokenCounter,
+    TokenizerJsonCounter,
+    UpstreamTokenizeCounter,
+)
+from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
+from .gate import Gate
+from .metrics import Metrics
+from .settings import Settings
+from .upstream import UpstreamClient
+
+log = logging.getLogger("prefill_gate")
+
+PASSTHROUGH_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    policy: AdmissionPolicy
+    gate: Gate
+    client: UpstreamClient
+    estimator: Estimator
+    health: dict[str, bool] = field(default_factory=dict)
+
+    def mark_health(self, upstream: str, healthy: bool) -> None:
+        if self.health.get(upstream) != healthy:
+            log.info("upstream %s is %s", upstream, "up" if healthy else "down")
+        self.health[upstream] = healthy
+        self.metrics.upstream_up.labels(upstream).set(1 if healthy else 0)
+        self.gate._wake(self.policy.set_health(upstream, healthy))
+
+    def pick_upstream(self) -> str:
+        up = [u for u in self.settings.upstreams if self.health.get(u, True)]
+        return (up or self.settings.upstreams)[0]
+
+
+def _exact_counter(settings: Settings, client: UpstreamClient, state_ref: list) -> ExactCounter | None:
+    if settings.tokenizer_json:
+        return TokenizerJsonCounter(settings.tokenizer_json)
+    if settings.tiktoken_encoding:
+        return TiktokenCounter(settings.tiktoken_encoding)
+    if settings.upstream_tokenize:
+        async def post(payload: dict) -> dict:
+            return await client.post_json(state_ref[0].pick_upstream(), "/tokenize", payload, timeout=5.0)
+
+        return UpstreamTokenizeCounter(post)
+    return None
+
+
+def build_state(
+    settings: Settings,
+    registry: CollectorRegistry | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    exact: ExactCounter | None = None,
+) -> AppState:
+    if not settings.upstreams:
+        raise ValueError("build_state needs at least one upstream (the CLI starts the simulator otherwise)")
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry, settings.upstreams)
+    limits = Limits(
+        max_large_in_flight=settings.max_large_in_flight,
+        max_decodes_for_large=settings.max_decodes_for_large,
+        max_queue=settings.max_queue,
+        max_queue_wait=settings.max_queue_wait,
+        admit_on_timeout=settings.on_queue_timeout == "admit",
+    )
+    policy = AdmissionPolicy(settings.upstreams, limits)
+    client = UpstreamClient(
+        settings.upstreams,
+        connect_timeout=settings.connect_timeout,
+        read_timeout=settings.read_timeout,
+        max_connections=settings.max_connections,
+        api_key=settings.upstream_api_key,
+        transport=transport,
+    )
+    state_ref: list[AppState] = []
+    estimator = Estimator(
+        settings.large_prefill_tokens,
+        Calibrator(settings.bytes_per_token),
+        exact if exact is not None else _exact_counter(settings, client, state_ref),
+        band=settings.exact_count_band,
+    )
+    state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator)
+    state_ref.append(state)
+    metrics.bytes_per_token.set(settings.bytes_per_token)
+    for u in settings.upstreams:
+        metrics.upstream_up.labels(u).set(1)
+    return state
+
+
+async def _health_loop(state: AppState) -> None:
+    while True:
+        results = await asyncio.gather(*(state.client.healthy(u) for u in state.settings.upstreams))
+        for u, ok in zip(state.settings.upstreams, results):
+            state.mark_health(u, ok)
+        await asyncio.sleep(state.settings.health_interval)
+
+
+def create_app(state: AppState, *, health_checks: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_health_loop(state)) if health_checks else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await state.client.aclose()
+
+    app = FastAPI(title="prefill-gate", version="0.1.0", lifespan=lifespan)
+    app.state.gate_state = state
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return exc.response()
+
+    async def gated(request: Request, endpoint: str):
+        try:
+            req = await prepare(state, request, endpoint)
+        except ProxyError:
+            state.metrics.requests.labels("interactive", "bad_request").inc()
+            raise
+        return GatedExchange(state, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await gated(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gated(request, "completions")
+
+    @app.get("/health")
+    async def health():
+        ups = state.policy.snapshot().upstreams
+        body = {
+            "status": "ok",
+            "queue_depth": state.policy.queue_depth,
+            "upstreams": {
+                u: {
+                    "healthy": state.health.get(u, True),
+                    "live_decodes": ups[u].live_decodes,
+                    "large_prefills_in_flight": ups[u].large_in_flight,
+                    "active": ups[u].active,
+                }
+                for u in state.settings.upstreams
+            },
+        }
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def passthrough(request: Request):
+        body = await read_body(request, state.settings.max_body_bytes)
+        return PassthroughExchange(
+            state, state.pick_upstream(), request.method, request.url.path, request.url.query,
+            dict(request.headers), body,
+        )
+
+    app.add_api_route("/v1/{rest:path}", passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)
+    for path in ("/tokenize", "/detokenize", "/version"):
+        app.add_api_route(path, passthrough, methods=["GET", "POST"], include_in_schema=False)
+    return app

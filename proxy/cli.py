@@ -1,0 +1,208 @@
+"""``prefill-gate serve | sim | bench overlap | bench overhead | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import socket
+import sys
+import typing
+
+from .settings import Settings, SettingsError, load_settings
+
+log = logging.getLogger("prefill_gate")
+
+
+# ------------------------------------------------------------------------ serve
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per setting, generated from the model so that none is forgotten."""
+    p.add_argument("--config", help="YAML file with settings (flags > PREFILL_GATE_* env > file > defaults)")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = field.description
+        if name == "upstreams":
+            p.add_argument("--upstream", dest="upstreams", action="append", metavar="URL", help=help_)
+        elif field.annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{help_} (default: {field.default})")
+
+
+def _free_socket(host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+async def _serve(settings: Settings) -> None:
+    import uvicorn
+
+    from .app import build_state, create_app
+
+    servers = []
+    if not settings.upstreams:
+        from .sim import build_engine
+        from .sim.server import create_sim_app
+
+        engine, preset = build_engine(settings.sim_preset)
+        sock = _free_socket()
+        url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        log.warning("no --upstream given: running the built-in engine simulator (preset %s) at %s as the upstream",
+                    preset.name, url)
+        sim = uvicorn.Server(uvicorn.Config(create_sim_app(engine), log_level="warning", lifespan="on"))
+        servers.append(sim.serve(sockets=[sock]))
+        settings = settings.model_copy(update={"upstreams": [url]})
+    app = create_app(build_state(settings))
+    log.info("prefill-gate on http://%s:%d -> %s (large prefill >= %d tokens, max queue wait %g s)",
+             settings.host, settings.port, ", ".join(settings.upstreams), settings.large_prefill_tokens,
+             settings.max_queue_wait)
+    proxy = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                          lifespan="on", timeout_graceful_shutdown=30))
+    servers.append(proxy.serve())
+    await asyncio.gather(*servers)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    flags = {name: getattr(args, name, None) for name in Settings.model_fields}
+    try:
+        settings = load_settings(flags, config_file=args.config)
+    except SettingsError as exc:
+        print(f"prefill-gate: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    asyncio.run(_serve(settings))
+    return 0
+
+
+# -------------------------------------------------------------------------- sim
+def cmd_sim(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .sim import build_engine
+    from .sim.server import create_sim_app
+
+    overrides = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+                                                "block_size") if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        overrides["enable_prefix_caching"] = False
+    cost = {f.name: getattr(args, "cost_" + f.name) for f in _cost_fields() if getattr(args, "cost_" + f.name) is not None}
+    try:
+        engine, preset = build_engine(args.preset, engine=overrides, cost=cost, time_scale=args.time_scale,
+                                      seed=args.seed)
+    except ValueError as exc:
+        print(f"prefill-gate sim: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("simulator preset %s (%s), %s, %s", preset.name, preset.source, engine.config, engine.cost)
+    uvicorn.run(create_sim_app(engine, model=args.served_model_name), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
+
+
+def _cost_fields():
+    from .sim.engine import CostModel
+
+    return dataclasses.fields(CostModel)
+
+
+# ------------------------------------------------------------------------ bench
+def cmd_bench_overlap(args: argparse.Namespace) -> int:
+    from .bench.overlap import Shape, run_overlap
+    from .bench.report import OVERLAP_COLUMNS, environment, plot_overlap, table, write_json
+
+    shape = Shape(long_tokens=args.long_tokens, b_tokens=args.b_tokens, a_tokens=args.a_tokens,
+                  a_after_b_tokens=args.a_after)
+    try:
+        result = asyncio.run(run_overlap(args.base_url, args.model, shape, runs=args.runs, seed=args.seed))
+    except Exception as exc:  # a failed run is reported, not a traceback
+        print(f"prefill-gate bench overlap: {exc}", file=sys.stderr)
+        return 1
+    result["config"] = args.label or args.base_url
+    result.update(environment())
+    print(table([result], OVERLAP_COLUMNS))
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        plot_overlap([result], args.plot)
+    return 0
+
+
+def cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from .bench.overhead import main as overhead_main
+
+    return overhead_main(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .bench.demo import main as demo_main
+
+    return demo_main(args)
+
+
+# ------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefill-gate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the proxy (with no --upstream: in front of the built-in simulator)")
+    _add_settings_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("sim", help="run the vLLM-like engine simulator")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--preset", default=None, help="cost model and settings (default: h200-qwen3-8b)")
+    p.add_argument("--served-model-name", default="sim")
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--long-prefill-token-threshold", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")
+    p.add_argument("--seed", type=int, default=0)
+    for f in _cost_fields():
+        p.add_argument("--cost-" + f.name.replace("_", "-"), dest="cost_" + f.name, type=float,
+                       help=f"override the preset's cost-model field {f.name} (seconds)")
+    p.set_defaults(func=cmd_sim)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("overlap", help="decode ITL while a long prompt prefills (the seed shape)")
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model")
+    p.add_argument("--long-tokens", type=int, default=28600)
+    p.add_argument("--b-tokens", type=int, default=512)
+    p.add_argument("--a-tokens", type=int, default=58)
+    p.add_argument("--a-after", type=int, default=64, help="send A when B has streamed this many tokens")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None, help="prompt text seed (default: fresh each call)")
+    p.add_argument("--label", help="config name recorded in the JSON")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    p.set_defaults(func=cmd_bench_overlap)
+
+    p = bench.add_parser("overhead", help="the proxy's own added latency and relay rate")
+    p.add_argument("--streams", default="1,100,500", help="concurrent streams, comma-separated")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_bench_overhead)
+
+    p = sub.add_parser("demo", help="simulator + proxy: the starvation and the fix, side by side")
+    p.add_argument("--preset", default="h200-qwen3-8b")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: typing.Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""How many prompt tokens will the upstream have to prefill? Cheapest answer first.
+
+1. ``Calibrator``: prompt bytes / bytes-per-token, the ratio learned per model from
+   the ``usage.prompt_tokens`` of finished requests (an exponential average), plus a
+   per-message template overhead. Costs one pass over the text's length.
+2. An exact counter, used only when the cheap estimate lands near the threshold
+   (within ``band`` of it), so a 100k-character prompt far above the threshold is
+   never tokenized on the hot path: ``TokenizerJsonCounter`` (HF ``tokenizers``),
+   ``TiktokenCounter``, or the upstream's ``/tokenize`` through an injected callable.
+3. Token-id prompts (``/v1/completions`` with ``prompt: [ids]``) are counted exactly.
+
+Nothing here does network I/O itself: the upstream counter is a function the app passes in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+log = logging.getLogger("prefill_gate.estimate")
+
+MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
+MIN_CALIBRATION_BYTES = 256  # tiny prompts are mostly template: they would skew the ratio
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """What the estimator reads off a request body."""
+
+    text: str  # all prompt text (message contents, tool schemas) joined
+    n_messages: int  # chat messages (0 for completions)
+    token_ids: int | None = None  # exact count when the prompt is token ids
+    messages: list | None = None  # for the upstream's /tokenize
+    prompt: Any = None
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    tokens: int  # estimated prompt tokens (before any prefix-cache credit)
+    method: str  # "calibrated" | "exact" | "token_ids"
+    n_bytes: int
+    n_messages: int
+
+
+def _content_text(content: Any, parts: list[str]) -> None:
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for item in content:
+            if isinstance(item, dict) and isinstance(item.get("text"), str):
+                parts.append(item["text"])
+            elif isinstance(item, str):
+                parts.append(item)
+
+
+def shape_of(body: dict, endpoint: str) -> PromptShape:
+    """Read the prompt out of a validated chat or completions body."""
+    parts: list[str] = []
+    if endpoint == "chat":
+        messages = body.get("messages") or []
+        for m in messages:
+            if isinstance(m, dict):
+                _content_text(m.get("content"), parts)
+                if m.get("tool_calls"):
+                    parts.append(json.dumps(m["tool_calls"]))
+        if body.get("tools"):
+            parts.append(json.dumps(body["tools"]))
+        return PromptShape("\n".join(parts), len(messages), messages=messages)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        return PromptShape("", 0, token_ids=len(prompt), prompt=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+        return PromptShape("", 0, token_ids=sum(len(x) for x in prompt), prompt=prompt)
+    if isinstance(prompt, list):
+        _content_text(prompt, parts)
+    else:
+        _content_text(prompt, parts)
+    return PromptShape("\n".join(parts), 0, prompt=prompt)
+
+
+class Calibrator:
+    """Bytes-per-token ratio per model, learned from reported usage."""
+
+    def __init__(self, initial: float = 4.0, alpha: float = 0.2, overhead: int = MESSAGE_OVERHEAD_TOKENS):
+        self.initial = initial
+        self.alpha = alpha
+        self.overhead = overhead
+        self._ratio: dict[str, float] = {}
+
+    def ratio(self, model: str) -> float:
+        return self._ratio.get(model, self.initial)
+
+    def estimate(self, model: str, n_bytes: int, n_messages: int) -> int:
+        return int(n_bytes / self.ratio(model)) + self.overhead * n_messages
+
+    def observe(self, model: str, n_bytes: int, n_messages: int, prompt_tokens: int) -> None:
+        if n_bytes < MIN_CALIBRATION_BYTES:
+            return
+        text_tokens = prompt_tokens - self.overhead * n_messages
+        if text_tokens <= 0:
+            return
+        sample = n_bytes / text_tokens
+        old = self._ratio.get(model)
+        self._ratio[model] = sample if old is None else old + self.alpha * (sample - old)
+
+
+class ExactCounter(Protocol):
+    async def count(self, shape: PromptShape, model: str) -> int: ...
+
+
+class _LocalCounter:
+    """Counts the text with a local tokenizer, in a worker thread (never on the event loop)."""
+
+    def _encode_len(self, text: str) -> int:
+        raise NotImplementedError
+
+    async def count(self, shape: PromptShape, model: str) -> int:
+        n = await asyncio.to_thread(self._encode_len, shape.text)
+        return n + MESSAGE_OVERHEAD_TOKENS * shape.n_messages
+
+
+class TokenizerJsonCounter(_LocalCounter):
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(path)
+
+    def _encode_len(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+class TiktokenCounter(_LocalCounter):
+    def __init__(self, encoding: "str | Any"):
+        import tiktoken
+
+        self._enc = tiktoken.get_encoding(encoding) if isinstance(encoding, str) else encoding
+
+    def _encode_len(self, text: str) -> int:
+        return len(self._enc.encode(text, disallowed_special=()))
+
+
+class UpstreamTokenizeCounter:
+    """Asks the upstream's ``/tokenize`` (vLLM): exact, chat template included."""
+
+    def __init__(self, post_tokenize: Callable[[dict], Awaitable[dict]]):
+        self._post = post_tokenize
+
+    async def count(self, shape: PromptShape, model: str) -> int:
+        req: dict[str, Any] = {"model": model}
+        if shape.messages is not None:
+            req["messages"] = shape.messages
+        else:
+            req["prompt"] = shape.prompt if isinstance(shape.prompt, str) else shape.text
+        data = await self._post(req)
+        count = data.get("count")
+        if not isinstance(count, int):
+            raise ValueError("upstream /tokenize answered without an integer 'count'")
+        return count
+
+
+class Estimator:
+    def __init__(
+        self,
+        threshold: int,
+        calibrator: Calibrator | None = None,
+        exact: ExactCounter | None = None,
+        band: float = 0.5,
+    ):
+        self.threshold = threshold
+        self.calibrator = calibrator or Calibrator()
+        self.exact = exact
+        self.band = band
+
+    def near_threshold(self, tokens: int) -> bool:
+        return abs(tokens - self.threshold) <= self.band * self.threshold
+
+    async def estimate(self, shape: PromptShape, model: str) -> Estimate:
+        if shape.token_ids is not None:
+            return Estimate(shape.token_ids, "token_ids", 0, 0)
+        n_bytes = shape.n_bytes
+        cheap = self.calibrator.estimate(model, n_bytes, shape.n_messages)
+        if self.exact is not None and self.near_threshold(cheap):
+            try:
+                return Estimate(await self.exact.count(shape, model), "exact", n_bytes, shape.n_messages)
+            except Exception as exc:  # an exact count refines the estimate; it must not fail the request
+                log.warning("exact token count failed (%s: %s); using the calibrated estimate", type(exc).__name__, exc)
+        return Estimate(cheap, "calibrated", n_bytes, shape.n_messages)
+
+    def observe(self, model: str, est: Estimate, prompt_tokens: int) -> float | None:
+        """Learn from a finished request's usage; returns the relative error of the estimate."""
+        if prompt_tokens <= 0:
+            return None
+        if est.method != "token_ids":
+            self.calibrator.observe(model, est.n_bytes, est.n_messages, prompt_tokens)
+        return abs(est.tokens - prompt_tokens) / prompt_tokens

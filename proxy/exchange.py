@@ -1,0 +1,238 @@
+"""The two kinds of proxied request: gated (chat/completions) and passthrough.
+
+A gated request passes the stages in order: receive (size limit, JSON, types) ->
+estimate -> classify -> admit or queue -> upstream -> relay -> account. The first
+three run in the route handler and answer 4xx directly; the rest run inside the
+``Exchange`` so that a disconnect in any of them is seen and cleaned up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from .admission import RequestClass, Ticket
+from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError
+from .estimate import Estimate, shape_of
+from .relay import Exchange, Outcome, SSESplitter, StreamObserver, relay_raw, send_body, upstream_headers
+from .upstream import mapped_errors
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from .app import AppState
+    from .gate import Lease
+
+CLASS_HEADER = "x-prefill-gate-class"
+PRIORITY_HEADER = "x-prefill-gate-priority"
+
+
+# ----------------------------------------------------------------------- receive
+async def read_body(request: "Request", limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body is {declared} bytes; the limit is {limit} (max_body_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
+    if name not in body:
+        if required:
+            raise BadRequest(f"'{name}' is a required property", param=name)
+        return
+    value = body[name]
+    if value is None and not required:
+        return
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        want = " or ".join(t.__name__ for t in types)
+        raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
+
+
+def parse_body(raw: bytes, endpoint: str) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    _check(body, "model", (str,))
+    _check(body, "stream", (bool,))
+    _check(body, "stream_options", (dict,))
+    _check(body, "max_tokens", (int,))
+    _check(body, "priority", (int,))
+    if endpoint == "chat":
+        _check(body, "messages", (list,), required=True)
+        for i, m in enumerate(body["messages"]):
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}] must be an object", param="messages")
+    else:
+        _check(body, "prompt", (str, list), required=True)
+    return body
+
+
+def classify(estimate: Estimate, threshold: int, override: str | None) -> RequestClass:
+    if override is not None:
+        try:
+            return RequestClass(override.strip().lower())
+        except ValueError:
+            raise BadRequest(f"header {CLASS_HEADER} must be 'interactive' or 'large'", param=CLASS_HEADER) from None
+    return RequestClass.LARGE if estimate.tokens >= threshold else RequestClass.INTERACTIVE
+
+
+def priority_of(body: dict, header: str | None) -> int:
+    if header is None:
+        return body.get("priority") or 0
+    try:
+        return int(header)
+    except ValueError:
+        raise BadRequest(f"header {PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
+
+
+# ------------------------------------------------------------------------ gated
+@dataclass
+class GatedRequest:
+    path: str
+    headers: dict[str, str]
+    content: bytes
+    model: str
+    streaming: bool
+    drop_usage: bool  # we asked for include_usage on the client's behalf
+    estimate: Estimate
+    ticket: Ticket
+    received_at: float
+
+
+async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
+    received_at = time.monotonic()
+    raw = await read_body(request, state.settings.max_body_bytes)
+    body = parse_body(raw, endpoint)
+    model = body.get("model") or ""
+    estimate = await state.estimator.estimate(shape_of(body, endpoint), model)
+    cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER))
+    streaming = bool(body.get("stream"))
+    drop_usage = False
+    if streaming and not (body.get("stream_options") or {}).get("include_usage"):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        raw = json.dumps(body).encode()
+        drop_usage = True
+    ticket = Ticket(
+        cls=cls,
+        tokens=estimate.tokens,
+        protected=streaming or state.settings.protect_non_streaming,
+        priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
+    )
+    state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
+    return GatedRequest(request.url.path, dict(request.headers), raw, model, streaming, drop_usage, estimate, ticket,
+                        received_at)
+
+
+class GatedExchange(Exchange):
+    def __init__(self, state: "AppState", req: GatedRequest):
+        super().__init__()
+        self.state = state
+        self.req = req
+        self.lease: Lease | None = None
+        self.usage: dict | None = None
+        cls = req.ticket.cls.value
+        self._ttft = state.metrics.ttft.labels(cls)
+        self._itl = {True: state.metrics.itl.labels(cls, "true"), False: state.metrics.itl.labels(cls, "false")}
+
+    async def run(self, send) -> None:
+        st, req = self.state, self.req
+        async with st.gate.admission(req.ticket) as lease:
+            self.lease = lease
+            async with st.client.stream(lease.upstream, "POST", req.path, req.headers, req.content) as resp:
+                if resp.status_code == 200 and req.streaming:
+                    await self._relay_stream(send, resp, lease.upstream)
+                else:
+                    await self._relay_whole(send, resp, lease.upstream)
+
+    async def _relay_whole(self, send, resp: httpx.Response, upstream: str) -> None:
+        with mapped_errors(upstream):
+            body = await resp.aread()
+        if resp.status_code == 200:
+            if b'"usage"' in body:
+                try:
+                    usage = json.loads(body).get("usage")
+                    self.usage = usage if isinstance(usage, dict) else None
+                except (ValueError, AttributeError):
+                    pass
+        else:
+            self.outcome.kind = "upstream_http_error"
+            self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
+        await self.start(send, resp.status_code, upstream_headers(resp))
+        await self.end(send, body)
+
+    async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
+        observer = StreamObserver(self._first_content, self._token_gap, drop_usage=self.req.drop_usage)
+        splitter = SSESplitter()
+        await self.start(send, 200, upstream_headers(resp))
+        with mapped_errors(upstream):
+            async for raw in resp.aiter_raw():
+                out = observer.filter(splitter.feed(raw))
+                if out:
+                    await send_body(send, out, True)
+        self.usage = observer.usage
+        rest = splitter.flush()
+        if rest:
+            await send_body(send, rest, True)
+        if not observer.done:
+            raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
+        await self.end(send)
+
+    def _first_content(self) -> None:
+        self.lease.decoding()
+        self._ttft.observe(time.monotonic() - self.req.received_at)
+
+    def _token_gap(self, seconds: float) -> None:
+        self._itl[self.lease.large_prefill_in_flight()].observe(seconds)
+
+    def finished(self, outcome: Outcome) -> None:
+        st, req = self.state, self.req
+        m = st.metrics
+        m.requests.labels(req.ticket.cls.value, outcome.kind).inc()
+        upstream = self.lease.upstream if self.lease else None
+        if upstream is not None:
+            kind = outcome.extra.get("http_kind") or getattr(outcome.error, "kind", None)
+            if kind is not None:
+                m.upstream_errors.labels(upstream, kind).inc()
+            if kind == "connect":
+                st.mark_health(upstream, False)
+        prompt_tokens = (self.usage or {}).get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            err = st.estimator.observe(req.model, req.estimate, prompt_tokens)
+            if err is not None:
+                m.estimate_error.observe(err)
+            m.bytes_per_token.set(st.estimator.calibrator.ratio(req.model))
+
+
+# ------------------------------------------------------------------ passthrough
+class PassthroughExchange(Exchange):
+    """Any other allowed path: method, headers, body and status pass unchanged."""
+
+    def __init__(self, state: "AppState", upstream: str, method: str, path: str, query: str, headers: Any, body: bytes):
+        super().__init__()
+        self.state = state
+        self.args = (upstream, method, path, headers, body, query)
+
+    async def run(self, send) -> None:
+        upstream = self.args[0]
+        async with self.state.client.stream(*self.args) as resp:
+            await self.start(send, resp.status_code, upstream_headers(resp))
+            await relay_raw(send, resp, upstream)
+            await self.end(send)
+
+    def finished(self, outcome: Outcome) -> None:
+        kind = getattr(outcome.error, "kind", None)
+        if kind is not None:
+            self.state.metrics.upstream_errors.labels(self.args[0], kind).inc()

@@ -1,0 +1,118 @@
+"""The async side of admission: waiting, wait bounds, cancellation, release.
+
+``AdmissionPolicy`` decides; ``Gate`` lets coroutines wait for its decisions. One
+future per queued ticket is resolved when the policy admits it; the wait bound is
+the ticket's own deadline; a cancelled waiter (the client went away) leaves the
+queue. ``Gate.admission()`` is the only way in, and its ``finally`` is the only way
+out, so every exit path (normal, error, cancel, timeout) releases exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from .admission import AdmissionPolicy, Decision, Phase, Ticket
+from .errors import QueueFull, QueueTimeout
+from .metrics import Metrics
+
+
+class Lease:
+    """What an admitted request holds: its upstream, and the two later transitions."""
+
+    def __init__(self, gate: "Gate", ticket: Ticket):
+        self._gate = gate
+        self.ticket = ticket
+
+    @property
+    def upstream(self) -> str:
+        return self.ticket.upstream
+
+    def decoding(self) -> None:
+        """The first content chunk arrived. Idempotent."""
+        if self.ticket.phase is Phase.PREFILLING:
+            self._gate._wake(self._gate.policy.start_decoding(self.ticket))
+
+    def large_prefill_in_flight(self) -> bool:
+        return self._gate.policy.large_in_flight(self.ticket.upstream)
+
+    def _release(self) -> None:
+        self._gate._wake(self._gate.policy.finish(self.ticket))
+
+
+class Gate:
+    def __init__(self, policy: AdmissionPolicy, metrics: Metrics | None = None):
+        self.policy = policy
+        self.metrics = metrics
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    @contextlib.asynccontextmanager
+    async def admission(self, ticket: Ticket) -> AsyncIterator[Lease]:
+        await self._acquire(ticket)
+        lease = Lease(self, ticket)
+        try:
+            yield lease
+        finally:
+            lease._release()
+
+    async def _acquire(self, ticket: Ticket) -> None:
+        decision = self.policy.submit(ticket)
+        if decision is Decision.REJECTED:
+            self._count(ticket, "rejected_queue_full")
+            raise QueueFull(
+                f"{self.policy.queue_depth} large prefills are already queued; retry later",
+                retry_after=self.policy.retry_after(),
+            )
+        if decision is Decision.ADMITTED:
+            self._count(ticket, "immediate")
+            self._sync()
+            return
+        self._sync()
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = fut
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, ticket.deadline - self.policy.clock()))
+            except asyncio.TimeoutError:
+                if ticket.phase is Phase.QUEUED and self.policy.expire(ticket) is Decision.REJECTED:
+                    self._count(ticket, "rejected_timeout", waited=True)
+                    raise QueueTimeout(
+                        f"waited {self.policy.limits.max_queue_wait:g} s for live decodes to finish "
+                        "(max_queue_wait; set on_queue_timeout=admit to admit instead)"
+                    ) from None
+            self._count(ticket, "after_timeout" if ticket.expired else "after_wait", waited=True)
+        except asyncio.CancelledError:
+            # The client went away while queued (or just as it was admitted).
+            self._count(ticket, "cancelled", waited=True)
+            if ticket.phase is not Phase.DONE:
+                self._wake(self.policy.finish(ticket))
+            raise
+        finally:
+            self._waiters.pop(ticket.id, None)
+            self._sync()
+
+    def _wake(self, admitted: list[Ticket]) -> None:
+        for t in admitted:
+            fut = self._waiters.get(t.id)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._sync()
+
+    def _count(self, ticket: Ticket, decision: str, waited: bool = False) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.admissions.labels(ticket.cls.value, decision).inc()
+        if waited:
+            self.metrics.queue_wait.labels(decision).observe(self.policy.clock() - ticket.arrived)
+
+    def _sync(self) -> None:
+        """Copy the policy's counters into the gauges (a handful of upstreams: cheap)."""
+        m = self.metrics
+        if m is None:
+            return
+        m.queue_depth.set(self.policy.queue_depth)
+        for name, u in self.policy.upstreams.items():
+            m.live_decodes.labels(name).set(u.live_decodes)
+            m.large_in_flight.labels(name).set(u.large_in_flight)
+            m.prefill_tokens.labels(name).set(u.prefill_tokens)

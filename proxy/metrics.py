@@ -1,0 +1,75 @@
+"""Every metric the proxy exports, in one place.
+
+Names follow Prometheus conventions: the ``prefill_gate_`` prefix, base units in the
+name, ``_total`` on counters, and only bounded label values (request class, outcome,
+configured upstream names, error kind), all pre-initialised so that dashboards see
+zeros rather than gaps. The registry is passed in: tests build a fresh one.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+CLASSES = ("interactive", "large")
+OUTCOMES = ("completed", "client_disconnect", "upstream_error", "upstream_http_error", "rejected", "bad_request")
+ADMISSIONS = ("immediate", "after_wait", "after_timeout", "rejected_queue_full", "rejected_timeout", "cancelled")
+ERROR_KINDS = ("connect", "timeout", "protocol", "http_4xx", "http_5xx")
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
+_WAIT = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+_ERROR = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, upstreams: Iterable[str]):
+        self.registry = registry
+        upstreams = list(upstreams)
+        p = "prefill_gate_"
+        r = registry
+        self.requests = Counter(p + "requests_total", "Requests through the gate by class and outcome.",
+                                ["class", "outcome"], registry=r)
+        self.admissions = Counter(p + "admissions_total", "Admission decisions by class and how they ended.",
+                                  ["class", "decision"], registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Large prefills waiting in the queue.", registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time large prefills spent queued.",
+                                    ["decision"], buckets=_WAIT, registry=r)
+        self.live_decodes = Gauge(p + "live_decodes", "Protected requests in their decode phase.",
+                                  ["upstream"], registry=r)
+        self.large_in_flight = Gauge(p + "large_prefills_in_flight", "Large prefills still prefilling.",
+                                     ["upstream"], registry=r)
+        self.prefill_tokens = Gauge(p + "inflight_prefill_tokens", "Estimated prompt tokens still prefilling.",
+                                    ["upstream"], registry=r)
+        self.upstream_up = Gauge(p + "upstream_up", "1 when the upstream's last health check passed.",
+                                 ["upstream"], registry=r)
+        self.estimated_tokens = Histogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
+                                          ["class"], buckets=_TOKENS, registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
+                              ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
+        self.itl = Histogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
+                             ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by kind.",
+                                       ["upstream", "kind"], registry=r)
+        self.estimate_error = Histogram(p + "estimate_relative_error",
+                                        "|estimated - reported| / reported prompt tokens (0-1 is 0-100%).",
+                                        buckets=_ERROR, registry=r)
+        self.bytes_per_token = Gauge(p + "bytes_per_token", "Calibrated prompt bytes per token.", registry=r)
+
+        for c in CLASSES:
+            for o in OUTCOMES:
+                self.requests.labels(c, o)
+            for d in ADMISSIONS:
+                self.admissions.labels(c, d)
+            self.estimated_tokens.labels(c)
+            self.ttft.labels(c)
+            for flag in ("true", "false"):
+                self.itl.labels(c, flag)
+        for d in ADMISSIONS:
+            self.queue_wait.labels(d)
+        for u in upstreams:
+            for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up):
+                g.labels(u)
+            for k in ERROR_KINDS:
+                self.upstream_errors.labels(u, k)

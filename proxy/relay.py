@@ -1,0 +1,252 @@
+"""Relaying one request: SSE framing, phase tracking, disconnect -> abort.
+
+A proxied request runs as an ASGI response object (``Exchange``) so that one
+coroutine owns its whole life: the wait in the queue, the upstream request and
+the relay of every chunk. A watcher on ``receive()`` cancels that coroutine the
+moment the client disconnects, in any phase; the ``async with`` blocks it is in
+then close the upstream connection (vLLM aborts the request and frees its KV
+cache) and release the admission lease, exactly once.
+
+Events are forwarded byte for byte as they complete; the only event ever held
+back is the usage-only chunk the proxy asked for on the client's behalf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+
+from .errors import ProxyError, QueueFull, QueueTimeout, UpstreamError
+from .upstream import mapped_errors, response_headers
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class SSESplitter:
+    """Cuts a byte stream into complete SSE events (each ending in a blank line)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf + data if self._buf else data
+        events = []
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                crlf = buf.find(b"\r\n\r\n", start)
+                if crlf < 0:
+                    break
+                end = crlf + 2
+            events.append(buf[start : end + 2])
+            start = end + 2
+        self._buf = buf[start:]
+        return events
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+def event_json(event: bytes) -> Any:
+    """The JSON payload of a ``data:`` event, or None."""
+    lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    try:
+        return json.loads(b"\n".join(lines))
+    except ValueError:
+        return None
+
+
+def is_content(obj: Any) -> bool:
+    """A chunk that carries generated output (not just the role header)."""
+    if not isinstance(obj, dict):
+        return False
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") or {}
+        if choice.get("text") or choice.get("finish_reason"):
+            return True
+        if isinstance(delta, dict) and (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+@dataclass
+class StreamObserver:
+    """Watches the events of one stream: first content (-> decoding), ITL, usage, errors."""
+
+    on_first_content: Any  # callable() -> None
+    on_token_gap: Any  # callable(seconds) -> None
+    drop_usage: bool = False
+    clock: Any = time.monotonic
+    first_at: float | None = None
+    last_at: float | None = None
+    usage: dict | None = None
+    done: bool = False
+    saw_error: bool = False
+    tokens: int = 0
+
+    def filter(self, events: list[bytes]) -> bytes:
+        """Observe events; return the bytes to forward (all of them but a usage chunk we asked for)."""
+        out = []
+        for ev in events:
+            if self._observe(ev):
+                out.append(ev)
+        return b"".join(out)
+
+    def _observe(self, ev: bytes) -> bool:
+        if ev.startswith(b"data: [DONE]"):
+            self.done = True
+            return True
+        obj = None
+        if b'"usage":{' in ev or b'"usage": {' in ev:
+            obj = event_json(ev)
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if self.drop_usage and not obj.get("choices"):
+                    return False
+        now = self.clock()
+        if self.first_at is None:
+            obj = event_json(ev) if obj is None else obj
+            if is_content(obj):
+                self.first_at = self.last_at = now
+                self.tokens = 1
+                self.on_first_content()
+            elif isinstance(obj, dict) and "error" in obj:
+                self.saw_error = True
+            return True
+        if ev.startswith(b"data:") and b'"choices":[]' not in ev:
+            self.tokens += 1
+            self.on_token_gap(now - self.last_at)
+            self.last_at = now
+        elif b'"error"' in ev:
+            self.saw_error = True
+        return True
+
+
+@dataclass
+class Outcome:
+    """How an exchange ended; ``kind`` is the bounded metric label."""
+
+    kind: str = "completed"
+    error: ProxyError | None = None
+    status: int = 200
+    extra: dict = field(default_factory=dict)
+
+
+async def send_start(send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+async def send_body(send, body: bytes, more: bool) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more})
+
+
+class Exchange(Response):
+    """Base of an ASGI response that owns one proxied request until its end.
+
+    Subclasses implement ``run(send)`` and ``finished(outcome)``. A ProxyError
+    raised by ``run`` becomes an OpenAI error response before the first byte,
+    or an in-stream error event and a clean end after it.
+    """
+
+    def __init__(self) -> None:  # Response.__init__ is not called: this response writes itself
+        self.background = None
+        self.status_code = 200
+        self.started = False
+        self.closing = False
+        self.outcome = Outcome()
+
+    async def run(self, send) -> None:
+        raise NotImplementedError
+
+    def finished(self, outcome: Outcome) -> None:
+        pass
+
+    async def start(self, send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.outcome.status = status
+        await send_start(send, status, headers)
+
+    async def end(self, send, body: bytes = b"") -> None:
+        self.closing = True  # from here on a disconnect is no longer news
+        await send_body(send, body, False)
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not self.closing:
+                        gone = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.run(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+            self.outcome.kind = "client_disconnect"
+        except ProxyError as exc:
+            self.outcome.error = exc
+            self.outcome.kind = _outcome_kind(exc)
+            await self._send_error(send, exc)
+        except OSError:  # the socket went away under a send
+            self.outcome.kind = "client_disconnect"
+        finally:
+            watcher.cancel()
+            self.finished(self.outcome)
+
+    async def _send_error(self, send, exc: ProxyError) -> None:
+        try:
+            if not self.started:
+                body = json.dumps(exc.body()).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers().items()]
+                self.outcome.status = exc.status
+                await send_start(send, exc.status, headers)
+                await self.end(send, body)
+            else:
+                await self.end(send, exc.sse_event() + DONE_EVENT)
+        except OSError:
+            pass
+
+
+def _outcome_kind(exc: ProxyError) -> str:
+    if isinstance(exc, (QueueFull, QueueTimeout)):
+        return "rejected"
+    if isinstance(exc, UpstreamError):
+        return "upstream_error"
+    return "bad_request"
+
+
+async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:
+    """Forward a body unchanged, chunk by chunk (passthrough paths)."""
+    with mapped_errors(upstream):
+        async for chunk in resp.aiter_raw():
+            await send_body(send, chunk, True)
+
+
+def upstream_headers(resp: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return response_headers(resp.headers)

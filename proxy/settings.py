@@ -1,0 +1,166 @@
+"""One validated settings object for the proxy.
+
+Sources, strongest first: command-line flags > ``PREFILL_GATE_*`` environment
+variables > a YAML file (``--config``) > the defaults below. Every field has the
+same name in all three places: ``--large-prefill-tokens``,
+``PREFILL_GATE_LARGE_PREFILL_TOKENS``, ``large_prefill_tokens:``. A bad value stops
+the start with a message that names the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "PREFILL_GATE_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, unknown or out of range; the message names it."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- where -----------------------------------------------------------------
+    upstreams: list[str] = Field(
+        default_factory=list,
+        description="OpenAI-compatible upstream base URLs (vLLM servers). "
+        "None: run the built-in engine simulator in-process.",
+    )
+    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port the proxy listens on (0: any free port).")
+
+    # --- the gate --------------------------------------------------------------
+    large_prefill_tokens: int = Field(
+        2048, ge=1, description="Estimated uncached prompt tokens at or above which a request is a large prefill."
+    )
+    max_queue_wait: float = Field(
+        30.0, gt=0, description="Seconds a large prefill may wait in the queue before on_queue_timeout applies."
+    )
+    on_queue_timeout: Literal["admit", "reject"] = Field(
+        "admit", description="What happens when the wait bound passes: admit anyway, or reject with 503."
+    )
+    max_queue: int = Field(256, ge=0, description="Queued large prefills at most; beyond it: 429 with Retry-After.")
+    max_large_in_flight: int = Field(
+        1, ge=1, description="Large prefills prefilling at once on one upstream."
+    )
+    max_decodes_for_large: int = Field(
+        0, ge=0, description="A large prefill is admitted only while at most this many protected decodes are live."
+    )
+    protect_non_streaming: bool = Field(
+        False,
+        description="Count non-streaming requests as protected decodes (the proxy then streams "
+        "upstream and assembles the JSON itself, so that it sees their phase).",
+    )
+
+    # --- estimation ------------------------------------------------------------
+    bytes_per_token: float = Field(
+        4.0, gt=0, description="Initial bytes-per-token ratio; recalibrated per model from reported usage."
+    )
+    exact_count_band: float = Field(
+        0.5,
+        ge=0,
+        description="Use the exact counter only when the cheap estimate is within this fraction of the threshold.",
+    )
+    tokenizer_json: str | None = Field(None, description="Path to a HF tokenizer.json for exact counts.")
+    tiktoken_encoding: str | None = Field(None, description="A tiktoken encoding name (e.g. o200k_base).")
+    upstream_tokenize: bool = Field(False, description="Ask the upstream's /tokenize for exact counts.")
+
+    # --- limits and timeouts ---------------------------------------------------
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to an upstream (502 after).")
+    read_timeout: float = Field(
+        600.0, gt=0, description="Seconds an upstream may stay silent (no response, no chunk) before 504."
+    )
+    max_connections: int = Field(4096, ge=1, description="Upstream connections at most (all upstreams).")
+    health_interval: float = Field(5.0, gt=0, description="Seconds between upstream health checks.")
+    upstream_api_key: str | None = Field(
+        None, description="Bearer key the proxy sends upstream (replaces the client's Authorization)."
+    )
+
+    # --- the embedded simulator and logs ---------------------------------------
+    sim_preset: str = Field("h200-qwen3-8b", description="Simulator preset when no upstream is given.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("upstreams")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+            out.append(url.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError("the same upstream is listed twice")
+        return out
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, field in Settings.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if name == "upstreams":
+            values[name] = [u.strip() for u in raw.split(",") if u.strip()]
+        elif field.annotation is bool:
+            values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            values[name] = raw  # pydantic converts and checks
+    return values
+
+
+def _file_values(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of setting: value")
+    if isinstance(data.get("upstreams"), str):
+        data["upstreams"] = [data["upstreams"]]
+    return data
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge defaults < file < env < flags and validate once.
+
+    ``flags`` holds only the flags the user gave (``None`` values are dropped).
+    """
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    layers = [
+        ("config file", _file_values(config_file) if config_file else {}),
+        ("environment", _env_values(environ)),
+        ("flag", {k: v for k, v in (flags or {}).items() if v is not None and v != []}),
+    ]
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for where, values in layers:
+        for key, value in values.items():
+            merged[key] = value
+            source[key] = where
+    try:
+        return Settings(**merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            where = source.get(key, "default")
+            if err["type"] == "extra_forbidden":
+                problems.append(f"unknown setting {key!r} (from {where})")
+            else:
+                problems.append(f"setting {key} (from {where}): {err['msg']}")
+        raise SettingsError("; ".join(problems)) from None

@@ -1,0 +1,64 @@
+"""Simulator presets, each calibrated from real measurements (sources inline).
+
+A preset is a cost model plus the vLLM settings it was measured with. Flags of
+``prefill-gate sim`` override single fields (``--max-num-batched-tokens 2048``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engine import CostModel, EngineConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    cost: CostModel
+    engine: EngineConfig
+    source: str
+
+
+PRESETS: dict[str, Preset] = {}
+
+
+def _add(p: Preset) -> None:
+    PRESETS[p.name] = p
+
+
+# H200, vLLM 0.26.0, Qwen3-8B shape with dummy weights, bf16, FA3, CUDA graphs, prefix
+# caching on. Fitted (least squares on relative error) to vLLM's step times in the
+# seed shape: B alone decodes at 4.8-4.9 ms/token (p99 ~5.5 ms); with
+# --max-num-batched-tokens 8192 A's four chunk steps stalled B for 159, 271, 331 and
+# 215 ms after a 52 ms front-end stall while A's 28.6k-character prompt was tokenized
+# (shared/gpu/README.md section 4; refitted to bench/results/h200/ in docs/RESULTS.md).
+_add(Preset(
+    name="h200-qwen3-8b",
+    cost=CostModel(base=4.8e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
+                   attention=1.3e-9, decode_kv=3.0e-8, jitter=0.04, arrival_per_token=1.8e-6),
+    engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16),
+    source="H200 vLLM 0.26.0 Qwen3-8B dummy weights; shared/gpu/README.md section 4",
+))
+
+# The original report: 2x RTX 3090 (TP=2), a 27B hybrid model, vLLM nightly,
+# --max-num-batched-tokens 8192. One stream decodes at ~48 tok/s alone (20.8 ms);
+# while a 28,623-token tool result prefills it gets 0.2-0.4 tok/s with 8192-token
+# chunks and ~0.9 tok/s with 2048-token chunks. Both overlap rates pin the same total
+# prefill time (~15.5 s): 0.4 ms/token plus an attention term for the rest. KV blocks
+# of the hybrid in prefix-caching align mode are 1568 tokens.
+_add(Preset(
+    name="rtx3090-27b-hybrid",
+    cost=CostModel(base=20.8e-3, per_decode_row=2.0e-4, per_prefill_token=4.0e-4, attention=9.9e-9,
+                   jitter=0.02),
+    engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=1568),
+    source="2x RTX 3090 TP=2, 27B hybrid (the report in shared/ARCHITECTURE.md)",
+))
+
+DEFAULT_PRESET = "h200-qwen3-8b"
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown simulator preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

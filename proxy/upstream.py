@@ -1,0 +1,113 @@
+"""The HTTP client to the upstreams, and the one place httpx errors become ours.
+
+Timeouts and connection limits come from the settings, never httpx's defaults
+(100 connections and 5 s would act as a second, hidden admission limit).
+Only configured upstream URLs are ever contacted: callers name an upstream by its
+configured base URL and a path that the app's routes allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Iterable, Mapping
+
+import httpx
+
+from .errors import UpstreamError, UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
+_DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
+                 "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
+_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "trailer", "upgrade",
+                  "proxy-authenticate", "date", "server"}
+
+
+def request_headers(headers: Mapping[str, str], api_key: str | None) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-prefill-gate-")}
+    out["accept-encoding"] = "identity"  # we parse the stream; vLLM does not compress anyway
+    if api_key is not None:
+        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+        out["authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.multi_items() if k.lower() not in _DROP_RESPONSE]
+
+
+@contextlib.contextmanager
+def mapped_errors(upstream: str):
+    """Translate httpx exceptions raised inside the block into UpstreamError."""
+    try:
+        yield
+    except httpx.ConnectTimeout as exc:
+        raise UpstreamUnavailable(f"upstream {upstream} did not accept a connection in time") from exc
+    except httpx.ConnectError as exc:
+        raise UpstreamUnavailable(f"upstream {upstream} is unreachable: {exc}") from exc
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"upstream {upstream} stayed silent past the read timeout") from exc
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.DecodingError, httpx.WriteError) as exc:
+        raise UpstreamProtocolError(f"upstream {upstream} broke the connection: {exc or type(exc).__name__}") from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamUnavailable(f"upstream {upstream} failed: {exc or type(exc).__name__}") from exc
+
+
+class UpstreamClient:
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 600.0,
+        max_connections: int = 4096,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.urls = list(urls)
+        self.api_key = api_key
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=30.0),
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, upstream: str, method: str, path: str, headers: Mapping[str, str], content: bytes, query: str = ""
+    ) -> AsyncIterator[httpx.Response]:
+        """Send a request and yield the response once its headers arrived; the body is
+        read by the caller inside the block. Leaving the block closes the connection,
+        which is how vLLM learns that the client went away."""
+        if upstream not in self.urls:
+            raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
+        url = upstream + path + (f"?{query}" if query else "")
+        req = self._client.build_request(method, url, headers=request_headers(headers, self.api_key), content=content)
+        with mapped_errors(upstream):
+            resp = await self._client.send(req, stream=True)
+        try:
+            yield resp
+        finally:
+            await resp.aclose()
+
+    async def post_json(self, upstream: str, path: str, payload: dict, timeout: float | None = None) -> dict:
+        with mapped_errors(upstream):
+            resp = await self._client.post(upstream + path, json=payload, timeout=timeout,
+                                           headers=request_headers({}, self.api_key))
+        if resp.status_code != 200:
+            raise UpstreamProtocolError(f"upstream {upstream}{path} answered {resp.status_code}")
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise UpstreamProtocolError(f"upstream {upstream}{path} answered non-JSON") from exc
+
+    async def healthy(self, upstream: str, timeout: float = 2.0) -> bool:
+        try:
+            with mapped_errors(upstream):
+                resp = await self._client.get(upstream + "/health", timeout=timeout)
+            return resp.status_code == 200
+        except UpstreamError:
+            return False
