@@ -7,7 +7,7 @@
 # Here, without a GPU, the same script against the simulator (same flag names):
 #   DRY_RUN=1 bash bench/gpu/run_h200.sh out/h200-dry
 #
-# Starts one vLLM server per configuration at once (staggered; 0.2 of GPU memory each;
+# Starts one vLLM server per configuration at once (staggered; a fixed 10 GiB KV cache each;
 # an idle server runs no steps, so benches run one at a time on a quiet GPU), benches
 # each directly, then prefill-gate (default settings) in front of the 8192 server.
 # Writes <config>.json/.png, summary.txt and logs, packed in OUT/h200.tar.gz.
@@ -16,6 +16,7 @@ OUT=${1:-out/h200}
 MODEL=${MODEL:-.gpu/model-qwen3-8b}
 RUNS=${RUNS:-3}
 UTIL=${UTIL:-0.2}
+KV_BYTES=${KV_BYTES:-10737418240}  # 10 GiB each: fixed, so concurrent starts cannot race vLLM's memory profiling
 STAGGER=${STAGGER:-12}
 mkdir -p "$OUT/res"
 RES=$(cd "$OUT/res" && pwd)
@@ -39,7 +40,7 @@ start_server() {  # port args...
     setsid python3 -m proxy sim --port "$port" --served-model-name m "$@" &
   else
     setsid python3 -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name m --load-format dummy \
-      --port "$port" --max-model-len 32768 --gpu-memory-utilization "$UTIL" "$@" &
+      --port "$port" --max-model-len 32768 --gpu-memory-utilization "$UTIL" --kv-cache-memory-bytes "$KV_BYTES" "$@" &
   fi
   PIDS+=($!)
 }
