@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--out", default="out/demo")
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--compare", metavar="DIR", help="also compare with measured direct-8192/proxy-8192 JSON in DIR")
     p.set_defaults(func=cmd_demo)
     return parser
 

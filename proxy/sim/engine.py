@@ -35,7 +35,8 @@ class CostModel:
     attention: float = 0.0
     decode_kv: float = 0.0
     jitter: float = 0.0  # sigma of log(step time)
-    arrival_per_token: float = 0.0  # front-end stall (tokenization) when a prompt arrives
+    frontend_per_token: float = 0.0  # delay before a prompt reaches the engine (the front end's work)
+    arrival_per_token: float = 0.0  # engine stall when a prompt arrives (added to the next step)
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
@@ -49,7 +50,7 @@ class CostModel:
     def scaled(self, factor: float) -> "CostModel":
         return CostModel(self.base * factor, self.mixed * factor, self.per_decode_row * factor,
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
-                         self.jitter, self.arrival_per_token * factor)
+                         self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor)
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,20 @@ def _add(p: Preset) -> None:
 
 
 # H200, vLLM 0.26.0, Qwen3-8B shape with dummy weights, bf16, FA3, CUDA graphs, prefix
-# caching on. Fitted (least squares on relative error) to vLLM's step times in the
-# seed shape: B alone decodes at 4.8-4.9 ms/token (p99 ~5.5 ms); with
-# --max-num-batched-tokens 8192 A's four chunk steps stalled B for 159, 271, 331 and
-# 215 ms after a 52 ms front-end stall while A's 28.6k-character prompt was tokenized
-# (shared/gpu/README.md section 4; refitted to bench/results/h200/ in docs/RESULTS.md).
+# caching on; fitted to the step times seen in bench/results/h200/ (B's gaps while A
+# prefills): B alone decodes at 4.68 ms/token (p99 5.4); with 2048-token chunks A's 14
+# steps rise linearly from ~48 to ~110 ms as its context grows (per token 13.5 us,
+# attention 1.4e-9 s per token and context position); the 8192-token chunks took
+# ~165, 270, 350 and 205 ms; B keeps decoding for ~24 ms after A is sent (the front
+# end's work on 28.6k characters), then A's arrival stalls the engine ~50 ms. Known gap: small mixed steps (--long-prefill-token-
+# threshold 512) cost 25-55 ms on the GPU against ~23 ms here (docs/RESULTS.md).
 _add(Preset(
     name="h200-qwen3-8b",
-    cost=CostModel(base=4.8e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
-                   attention=1.3e-9, decode_kv=3.0e-8, jitter=0.04, arrival_per_token=1.8e-6),
+    cost=CostModel(base=4.65e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
+                   attention=1.4e-9, decode_kv=3.0e-8, jitter=0.04, frontend_per_token=0.85e-6,
+                   arrival_per_token=1.7e-6),
     engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16),
-    source="H200 vLLM 0.26.0 Qwen3-8B dummy weights; shared/gpu/README.md section 4",
+    source="H200 vLLM 0.26.0 Qwen3-8B dummy weights; bench/results/h200/",
 ))
 
 # The original report: 2x RTX 3090 (TP=2), a 27B hybrid model, vLLM nightly,

@@ -211,6 +211,7 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
             return _error(400, "max_tokens must be a positive integer", "max_tokens")
         if len(prompt) + max_tokens > max_model_len:
             return _error(400, f"prompt ({len(prompt)} tokens) + max_tokens exceeds max_model_len {max_model_len}")
+        await asyncio.sleep(engine.cost.frontend_per_token * len(prompt))  # the front end's share
         req = engine.add(SimRequest(prompt, max_tokens, events=asyncio.Queue()))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         render = _Render(chat, body.get("model") or model, req, engine.rng, include_usage)
