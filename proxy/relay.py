@@ -40,13 +40,15 @@ class SSESplitter:
         buf = self._buf + data if self._buf else data
         events = []
         start = 0
+        has_crlf = b"\r" in buf
         while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
+            end = buf.find(b"\n\n", start)  # the event ends after buf[end + 1]
+            if has_crlf:
                 crlf = buf.find(b"\r\n\r\n", start)
-                if crlf < 0:
-                    break
-                end = crlf + 2
+                if crlf >= 0 and (end < 0 or crlf + 2 < end):
+                    end = crlf + 2
+            if end < 0:
+                break
             events.append(buf[start : end + 2])
             start = end + 2
         self._buf = buf[start:]

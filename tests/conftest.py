@@ -1,0 +1,149 @@
+"""Shared fixtures: a fake vLLM-like upstream (httpx.MockTransport), the app on an
+in-memory transport, and real uvicorn servers on loopback for disconnect tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from proxy.app import build_state, create_app
+from proxy.settings import load_settings
+
+UPSTREAM = "http://vllm.test"
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk(content, finish=None):
+    return {"id": "c1", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+
+
+def response(status: int, json_body=None, text: str | None = None, headers=None) -> httpx.Response:
+    """A response whose body arrives as a stream, as from a real connection."""
+    data = json.dumps(json_body).encode() if json_body is not None else (text or "").encode()
+    ctype = "application/json" if json_body is not None else "text/plain"
+
+    async def body():
+        yield data
+
+    return httpx.Response(status, headers={"content-type": ctype, **(headers or {})}, content=body())
+
+
+class FakeVLLM:
+    """Answers like vLLM. Unknown body fields drive it: ``hold`` keeps a stream open
+    after its first token until ``release`` is set; ``fail`` picks a failure."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.requests: list[httpx.Request] = []
+        self.bodies: list[dict] = []
+        self.open_streams = 0
+        self.first_token = asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if path == "/health":
+            return response(200)
+        if path == "/v1/models":
+            return response(200, {"object": "list", "data": [{"id": "m"}]})
+        if path == "/tokenize":
+            body = json.loads(request.content)
+            text = "".join(m["content"] for m in body.get("messages", [])) or body.get("prompt", "")
+            return response(200, {"count": len(text) + 19})
+        if path == "/version":
+            return response(200, {"version": "0.26.0"})
+        if not path.endswith("completions"):
+            return response(200, {"path": path, "method": request.method})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        fail = body.get("fail")
+        if fail == "connect":
+            raise httpx.ConnectError("connection refused", request=request)
+        if fail == "timeout":
+            raise httpx.ReadTimeout("silent", request=request)
+        if fail == "400":
+            return response(400, {"object": "error", "message": "bad thing", "code": 400})
+        if fail == "500":
+            return response(500, text="engine dead")
+        usage = {"prompt_tokens": body.get("usage_prompt_tokens", 10), "completion_tokens": 2, "total_tokens": 12}
+        if not body.get("stream"):
+            return response(200, {"id": "x", "object": "chat.completion", "model": "m", "usage": usage,
+                                  "choices": [{"index": 0, "message": {"content": "ab"}}]})
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+
+        async def stream():
+            self.open_streams += 1
+            try:
+                yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                yield sse(chunk("a"))
+                self.first_token.set()
+                if body.get("hold"):
+                    await self.release.wait()
+                if fail == "midstream":
+                    raise httpx.ReadError("connection reset")
+                yield sse(chunk("b", finish="length"))
+                if include_usage:
+                    yield sse({"choices": [], "usage": usage})
+                if fail != "no_done":
+                    yield b"data: [DONE]\n\n"
+            finally:
+                self.open_streams -= 1
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+
+def make_state(transport=None, **settings):
+    settings.setdefault("upstreams", [UPSTREAM])
+    s = load_settings(settings, environ={})
+    return build_state(s, registry=CollectorRegistry(), transport=transport)
+
+
+@pytest.fixture
+def fake():
+    return FakeVLLM()
+
+
+@contextlib.asynccontextmanager
+async def proxy_client(fake, **settings):
+    """The app on an in-memory ASGI transport, over the fake upstream: (client, state)."""
+    state = make_state(httpx.MockTransport(fake), **settings)
+    app = create_app(state, health_checks=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test") as client:
+        yield client, state
+
+
+@contextlib.asynccontextmanager
+async def serve(app):
+    """A real uvicorn server on a free loopback port, in this event loop."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def sample(registry, name, labels=None) -> float:
+    value = registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value

@@ -1,0 +1,220 @@
+"""The pure admission policy, driven with a fake clock."""
+
+import pytest
+
+from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Ticket
+
+I, L = RequestClass.INTERACTIVE, RequestClass.LARGE
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def policy(upstreams=("u1",), **limits):
+    clock = Clock()
+    return AdmissionPolicy(upstreams, Limits(**limits), clock), clock
+
+
+def large(priority=0, tokens=30000, protected=True):
+    return Ticket(L, tokens, protected=protected, priority=priority)
+
+
+def small(protected=True):
+    return Ticket(I, 50, protected=protected)
+
+
+def decoding(p, t):
+    assert p.submit(t) is Decision.ADMITTED
+    p.start_decoding(t)
+    return t
+
+
+@pytest.mark.parametrize(
+    "setup, expect",
+    [
+        ("idle", Decision.ADMITTED),
+        ("one streaming decode", Decision.QUEUED),
+        ("one non-streaming request (unprotected) decoding", Decision.ADMITTED),
+        ("an interactive request still prefilling", Decision.ADMITTED),
+        ("another large prefill prefilling", Decision.QUEUED),
+        ("another large prefill now decoding (protected)", Decision.QUEUED),
+    ],
+)
+def test_large_prefill_admission_rule(setup, expect):
+    p, _ = policy()
+    if setup == "one streaming decode":
+        decoding(p, small())
+    elif setup.startswith("one non-streaming"):
+        decoding(p, small(protected=False))
+    elif setup.startswith("an interactive request still"):
+        p.submit(small())
+    elif setup == "another large prefill prefilling":
+        p.submit(large())
+    elif setup.startswith("another large prefill now decoding"):
+        decoding(p, large())
+    assert p.submit(large()) is expect
+
+
+def test_small_prompts_never_wait_behind_large_ones():
+    p, _ = policy()
+    decoding(p, small())
+    for _ in range(3):
+        assert p.submit(large()) is Decision.QUEUED
+    assert p.submit(small()) is Decision.ADMITTED
+    assert p.queue_depth == 3
+
+
+def test_release_of_last_decode_admits_head_then_next_waits_for_it():
+    p, _ = policy()
+    b = decoding(p, small())
+    a1, a2 = large(), large()
+    p.submit(a1), p.submit(a2)
+    admitted = p.finish(b)
+    assert admitted == [a1] and a1.phase is Phase.PREFILLING
+    assert a2.phase is Phase.QUEUED  # one large prefill in flight at a time
+    assert p.start_decoding(a1) == []  # a1 now decodes (protected): a2 still waits
+    assert p.finish(a1) == [a2]
+
+
+def test_queue_orders_by_priority_then_arrival():
+    p, _ = policy()
+    b = decoding(p, small())
+    t = [large(priority=5), large(priority=0), large(priority=5), large(priority=-1)]
+    for x in t:
+        p.submit(x)
+    assert [x.priority for x in p.queued()] == [-1, 0, 5, 5]
+    assert p.queued()[2] is t[0] and p.queued()[3] is t[2]
+    assert p.finish(b) == [t[3]]
+
+
+@pytest.mark.parametrize("admit_on_timeout, decision", [(True, Decision.ADMITTED), (False, Decision.REJECTED)])
+def test_wait_bound(admit_on_timeout, decision):
+    p, clock = policy(max_queue_wait=10.0, admit_on_timeout=admit_on_timeout)
+    decoding(p, small())
+    a = large()
+    p.submit(a)
+    assert a.deadline == 110.0
+    clock.t = 109.9
+    assert p.due() == []
+    clock.t = 110.0
+    assert p.due() == [a]
+    assert p.expire(a) is decision
+    assert p.queue_depth == 0
+    up = p.upstreams["u1"]
+    assert up.large_in_flight == (1 if admit_on_timeout else 0)
+    assert a.expired is admit_on_timeout
+
+
+def test_queue_full_rejects_and_retry_after_is_the_earliest_deadline():
+    p, clock = policy(max_queue=2, max_queue_wait=30.0)
+    decoding(p, small())
+    p.submit(large())
+    clock.t += 5
+    p.submit(large())
+    extra = large()
+    assert p.submit(extra) is Decision.REJECTED
+    assert extra.phase is Phase.DONE
+    assert p.retry_after() == pytest.approx(25.0)
+    clock.t += 29.5
+    assert p.retry_after() == 1.0  # never below one second
+
+
+def test_max_queue_zero_means_admit_now_or_reject():
+    p, _ = policy(max_queue=0)
+    assert p.submit(large()) is Decision.ADMITTED
+    assert p.submit(large()) is Decision.REJECTED
+
+
+def test_cancel_while_queued_leaves_the_queue_and_counts_nothing():
+    p, _ = policy()
+    b = decoding(p, small())
+    a = large()
+    p.submit(a)
+    assert p.finish(a) == []
+    assert p.queue_depth == 0
+    p.finish(b)
+    s = p.snapshot().upstreams["u1"]
+    assert (s.active, s.live_decodes, s.large_in_flight, s.prefill_tokens) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "decoding"])
+def test_finish_in_each_phase_releases_exactly_once(phase):
+    p, _ = policy()
+    a = large()
+    p.submit(a)
+    if phase == "decoding":
+        p.start_decoding(a)
+    p.finish(a)
+    s = p.snapshot().upstreams["u1"]
+    assert (s.active, s.live_decodes, s.large_in_flight, s.prefill_tokens) == (0, 0, 0, 0)
+    with pytest.raises(PolicyError):
+        p.finish(a)
+    assert p.submit(large()) is Decision.ADMITTED  # nothing phantom left behind
+
+
+def test_protocol_errors():
+    p, _ = policy()
+    a = large()
+    with pytest.raises(PolicyError):
+        p.start_decoding(a)  # never submitted
+    p.submit(a)
+    with pytest.raises(PolicyError):
+        p.submit(a)
+    with pytest.raises(PolicyError):
+        p.expire(a)  # not queued
+
+
+def test_max_decodes_for_large_allows_some_live_decodes():
+    p, _ = policy(max_decodes_for_large=1)
+    decoding(p, small())
+    assert p.submit(large()) is Decision.ADMITTED
+    p2, _ = policy(max_decodes_for_large=1)
+    decoding(p2, small()), decoding(p2, small())
+    assert p2.submit(large()) is Decision.QUEUED
+
+
+def test_two_upstreams_large_prefill_goes_where_nobody_decodes():
+    p, _ = policy(upstreams=("u1", "u2"))
+    b = Ticket(I, 40, prefer="u1")
+    decoding(p, b)
+    assert b.upstream == "u1"
+    a = large()
+    assert p.submit(a) is Decision.ADMITTED and a.upstream == "u2"
+    assert p.submit(large()) is Decision.QUEUED  # u1 decodes, u2 is busy with a
+
+
+def test_unhealthy_upstream_is_skipped_and_its_return_pumps_the_queue():
+    p, _ = policy(upstreams=("u1", "u2"))
+    p.set_health("u2", False)
+    decoding(p, Ticket(I, 40, prefer="u1"))
+    a = large()
+    assert p.submit(a) is Decision.QUEUED
+    assert p.set_health("u2", True) == [a]
+    assert a.upstream == "u2"
+
+
+def test_interactive_goes_to_least_active_healthy_upstream():
+    p, _ = policy(upstreams=("u1", "u2"))
+    t1, t2, t3 = small(), small(), small()
+    p.submit(t1), p.submit(t2)
+    assert {t1.upstream, t2.upstream} == {"u1", "u2"}
+    p.set_health("u1", False)
+    p.submit(t3)
+    assert t3.upstream == "u2"
+
+
+def test_prefill_token_gauge_follows_phases():
+    p, _ = policy()
+    a = large(tokens=28000)
+    s = small()
+    p.submit(a), p.submit(s)
+    assert p.upstreams["u1"].prefill_tokens == 28050
+    p.start_decoding(s)
+    assert p.upstreams["u1"].prefill_tokens == 28000
+    p.start_decoding(a)
+    assert p.upstreams["u1"].prefill_tokens == 0

@@ -1,0 +1,69 @@
+"""SSE framing and stream observation."""
+
+import json
+
+from proxy.relay import SSESplitter, StreamObserver, event_json, is_content
+
+
+def ev(obj):
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk(content=None, role=None, finish=None):
+    delta = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_splitter_handles_arbitrary_cuts_and_crlf():
+    stream = ev(chunk("a")) + b"data: x\r\n\r\n" + ev(chunk("b")) + b"data: [DONE]\n\n"
+    for cut in range(1, len(stream)):
+        s = SSESplitter()
+        events = s.feed(stream[:cut]) + s.feed(stream[cut:])
+        assert b"".join(events) == stream and len(events) == 4
+        assert s.flush() == b""
+
+
+def test_splitter_keeps_an_incomplete_tail():
+    s = SSESplitter()
+    assert s.feed(b"data: {\"a\"") == []
+    assert s.flush() == b"data: {\"a\""
+
+
+def test_is_content():
+    assert not is_content(chunk("", role="assistant"))
+    assert is_content(chunk("x"))
+    assert is_content(chunk(None, finish="stop"))
+    assert is_content({"choices": [{"text": "t"}]})
+    assert not is_content({"choices": []}) and not is_content(None)
+    assert event_json(b": comment\n\n") is None
+
+
+def test_observer_phases_gaps_usage_and_dropping():
+    now = [0.0]
+    firsts, gaps = [], []
+    obs = StreamObserver(lambda: firsts.append(now[0]), gaps.append, drop_usage=True, clock=lambda: now[0])
+    usage = {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2}}
+    out = obs.filter([ev(chunk("", role="assistant"))])
+    now[0] = 1.0
+    out += obs.filter([ev(chunk("a"))])
+    now[0] = 1.25
+    out += obs.filter([ev(chunk("b")), ev(usage), b"data: [DONE]\n\n"])
+    assert firsts == [1.0] and gaps == [0.25]
+    assert obs.usage["prompt_tokens"] == 12 and obs.done and obs.tokens == 2
+    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
+
+
+def test_observer_forwards_usage_the_client_asked_for():
+    obs = StreamObserver(lambda: None, lambda s: None, drop_usage=False)
+    usage = {"choices": [], "usage": {"prompt_tokens": 3}}
+    assert obs.filter([ev(usage)]) == ev(usage)
+
+
+def test_observer_sees_in_stream_errors():
+    obs = StreamObserver(lambda: None, lambda s: None)
+    obs.filter([ev({"error": {"message": "boom"}})])
+    assert obs.saw_error and obs.first_at is None
