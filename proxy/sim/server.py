@@ -72,11 +72,12 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
                         status_code=status)
 
 
-class _EngineStream(Response):
-    """Streams one request's tokens as SSE and aborts it if the client goes away."""
+class _EngineResponse(Response):
+    """Sends one request's tokens (SSE, or one JSON body at the end) and aborts the
+    request the moment the client goes away, as vLLM does."""
 
-    def __init__(self, engine: Engine, req: SimRequest, render):
-        self.engine, self.req, self.render = engine, req, render
+    def __init__(self, engine: Engine, req: SimRequest, render, stream: bool):
+        self.engine, self.req, self.render, self.stream = engine, req, render, stream
         self.background = None
         self.status_code = 200
 
@@ -94,10 +95,17 @@ class _EngineStream(Response):
 
         watcher = asyncio.create_task(watch())
         try:
+            if not self.stream:
+                while await self.req.events.get() is not None:
+                    pass
+                body = json.dumps(self.render.whole()).encode()
+                closing = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-            for chunk in self.render.head():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             while (index := await self.req.events.get()) is not None:
                 await send({"type": "http.response.body", "body": self.render.token(index), "more_body": True})
             closing = True
@@ -129,9 +137,6 @@ class _Render:
 
     def _event(self, choice: str, usage: str = "") -> bytes:
         return f"data: {self._prefix}\"choices\":[{choice}]{usage}}}\n\n".encode()
-
-    def head(self) -> list[bytes]:
-        return []
 
     def token(self, index: int) -> bytes:
         finish = '"length"' if index >= self.req.max_tokens else "null"
@@ -206,7 +211,8 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
             prompt = render_chat(body["messages"]) if chat else encode_prompt(body["prompt"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             return _error(400, f"bad prompt: {exc}", "messages" if chat else "prompt")
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer", "max_tokens")
         if len(prompt) + max_tokens > max_model_len:
@@ -215,14 +221,7 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
         req = engine.add(SimRequest(prompt, max_tokens, events=asyncio.Queue()))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         render = _Render(chat, body.get("model") or model, req, engine.rng, include_usage)
-        if body.get("stream"):
-            return _EngineStream(engine, req, render)
-        try:
-            while await req.events.get() is not None:
-                pass
-        finally:
-            engine.abort(req)  # no-op when finished; frees the slot if the client left
-        return JSONResponse(render.whole())
+        return _EngineResponse(engine, req, render, stream=bool(body.get("stream")))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

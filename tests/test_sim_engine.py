@@ -1,0 +1,147 @@
+"""The simulator's scheduling arithmetic, against hand-computed step sequences."""
+
+import asyncio
+
+import pytest
+
+from proxy.sim import build_engine
+from proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest, block_hashes
+
+
+def engine(**cfg):
+    return Engine(EngineConfig(**cfg), CostModel(base=0.001))
+
+
+def req(n, out=3, base=0):
+    return SimRequest([base + i for i in range(n)], out, events=asyncio.Queue())
+
+
+def steps(e, n):
+    out = []
+    for _ in range(n):
+        plan = e.plan()
+        out.append(plan.summary())
+        e.apply(plan)
+    return out
+
+
+def test_budget_split_and_chunking():
+    e = engine(max_num_batched_tokens=8, enable_prefix_caching=False)
+    a = e.add(req(30, out=2))
+    assert steps(e, 1) == [(0, [8])]
+    b = e.add(req(3, out=2, base=1000))
+    # A keeps its chunks; B waits for budget, then prefills in the step A finishes.
+    assert steps(e, 4) == [(0, [8]), (0, [8]), (0, [6, 2]), (1, [1])]
+    assert a.num_output == 2 and a.finished  # first token at the end of its prefill, second as a decode
+    assert b.num_output == 1 and not b.prefilling
+    assert steps(e, 1) == [(1, [])]
+    assert b.finished and not e.has_work
+
+
+def test_decodes_first_even_behind_an_earlier_prefilling_request():
+    e = engine(max_num_batched_tokens=8, enable_prefix_caching=False)
+    b = e.add(req(2, out=50))
+    steps(e, 1)  # B prefilled, first token out
+    a = e.add(req(100, out=1, base=500))
+    assert steps(e, 1) == [(1, [7])]  # A enters running behind B
+    e.running.reverse()  # put A (still prefilling) ahead of B in the running list
+    assert e.running[0] is a
+    assert steps(e, 3) == [(1, [7]), (1, [7]), (1, [7])]
+    assert b.num_output == 5
+
+
+def test_long_prefill_token_threshold_caps_each_request():
+    e = engine(max_num_batched_tokens=10, long_prefill_token_threshold=4, enable_prefix_caching=False)
+    e.add(req(9, out=1)), e.add(req(5, out=1, base=100))
+    assert steps(e, 3) == [(0, [4, 4]), (0, [4, 1]), (0, [1])]
+
+
+def test_max_num_seqs_holds_the_rest_in_waiting():
+    e = engine(max_num_batched_tokens=100, max_num_seqs=1, enable_prefix_caching=False)
+    a, b = e.add(req(10, out=2)), e.add(req(10, out=1, base=100))
+    assert steps(e, 3) == [(0, [10]), (1, []), (0, [10])]
+    assert a.finished and b.finished
+
+
+def test_prefix_cache_hits_whole_blocks_and_always_computes_the_last_token():
+    e = engine(max_num_batched_tokens=100, block_size=4)
+    first = e.add(req(12, out=1))
+    steps(e, 1)
+    assert first.finished
+    tail = e.add(SimRequest(first.prompt[:8] + [900, 901, 902, 903], 1))
+    assert steps(e, 1) == [(0, [4])] and tail.num_cached == 8
+    same = e.add(SimRequest(list(first.prompt), 1))
+    assert steps(e, 1) == [(0, [1])] and same.num_cached == 11
+    other = e.add(req(12, out=1, base=5000))
+    assert steps(e, 1) == [(0, [12])] and other.num_cached == 0
+
+
+def test_prefix_cache_evicts_least_recently_used_blocks():
+    e = engine(max_num_batched_tokens=100, block_size=4, prefix_cache_blocks=3)
+    a = e.add(req(12, out=1))
+    steps(e, 1)
+    e.add(req(8, out=1, base=100))
+    steps(e, 1)  # 2 new blocks push out A's first two
+    again = e.add(SimRequest(list(a.prompt), 1))
+    steps(e, 1)
+    assert again.num_cached == 0
+
+
+def test_block_hashes_chain_prefixes():
+    h1 = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    h2 = block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(h1) == 2 and h1[0] != h2[0] and h1[1] != h2[1]  # same second block, other prefix
+
+
+def test_abort_frees_the_request_in_any_state():
+    e = engine(max_num_batched_tokens=8, max_num_seqs=1, enable_prefix_caching=False)
+    a, b = e.add(req(20)), e.add(req(5, base=100))
+    steps(e, 1)
+    e.abort(b)  # waiting
+    e.abort(a)  # running, mid-prefill
+    assert not e.has_work and a.aborted and b.aborted
+    assert e.plan().num_tokens == 0
+
+
+def test_tokens_are_emitted_then_the_end():
+    e = engine(max_num_batched_tokens=8, enable_prefix_caching=False)
+    r = e.add(req(4, out=3))
+    steps(e, 3)
+    got = [r.events.get_nowait() for _ in range(4)]
+    assert got == [1, 2, 3, None]
+
+
+def test_cost_model_arithmetic():
+    c = CostModel(base=0.005, mixed=0.002, per_decode_row=0.001, per_prefill_token=1e-5, attention=1e-9,
+                  decode_kv=1e-7)
+    assert c.step_seconds([100], []) == pytest.approx(0.005 + 1e-5)
+    assert c.step_seconds([100, 300], []) == pytest.approx(0.005 + 0.001 + 4e-5)
+    # one decode row + a 1000-token chunk starting at context 2000 (mean context 2500)
+    assert c.step_seconds([100], [(1000, 2000)]) == pytest.approx(0.005 + 1e-5 + 0.002 + 0.01 + 2.5e-3)
+    assert c.scaled(2).step_seconds([100], []) == pytest.approx(2 * (0.005 + 1e-5))
+
+
+def test_build_engine_overrides_and_errors():
+    e, p = build_engine("rtx3090-27b-hybrid", engine={"max_num_batched_tokens": 2048}, time_scale=0.5)
+    assert e.config.max_num_batched_tokens == 2048 and e.config.block_size == 1568
+    assert e.cost.base == pytest.approx(p.cost.base / 2)
+    with pytest.raises(ValueError, match="unknown simulator preset"):
+        build_engine("a100")
+    with pytest.raises(ValueError):
+        build_engine(None, engine={"max_num_seqs": 0})
+    with pytest.raises(ValueError):
+        build_engine(None, cost={"nonsense": 1.0})
+
+
+async def test_run_loop_paces_steps_on_the_clock():
+    e = Engine(EngineConfig(max_num_batched_tokens=64), CostModel(base=0.01))
+    task = asyncio.create_task(e.run())
+    await asyncio.sleep(0)
+    r = e.add(req(10, out=10))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while await r.events.get() is not None:
+        pass
+    elapsed = loop.time() - t0
+    task.cancel()
+    assert 10 * 0.01 <= elapsed < 10 * 0.01 + 0.2
