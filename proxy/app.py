@@ -127,7 +127,34 @@ async def _health_loop(state: AppState) -> None:
         await asyncio.sleep(state.settings.health_interval)
 
 
-def create_app(state: AppState, *, health_checks: bool = True) -> FastAPI:
+HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class GateApp:
+    """The ASGI entry point. The two gated endpoints go straight to their exchange:
+    FastAPI's middleware stack wraps every ``send`` of a response, so on a relay of
+    thousands of chunks a second it cost more than the relay itself (py-spy). Every
+    other path, the lifespan and the OpenAPI document are FastAPI's."""
+
+    def __init__(self, state: AppState, api: FastAPI):
+        self.state = state
+        self.api = api
+
+    async def __call__(self, scope, receive, send) -> None:
+        endpoint = HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self.api(scope, receive, send)
+            return
+        try:
+            req = await prepare(self.state, Request(scope, receive), endpoint)
+        except ProxyError as exc:
+            self.state.metrics.requests.labels("interactive", "bad_request").inc()
+            await exc.response()(scope, receive, send)
+            return
+        await GatedExchange(self.state, req)(scope, receive, send)
+
+
+def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(_health_loop(state)) if health_checks else None
@@ -195,4 +222,4 @@ def create_app(state: AppState, *, health_checks: bool = True) -> FastAPI:
     app.add_api_route("/v1/{rest:path}", passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)
     for path in ("/tokenize", "/detokenize", "/version"):
         app.add_api_route(path, passthrough, methods=["GET", "POST"], include_in_schema=False)
-    return app
+    return GateApp(state, app)

@@ -74,8 +74,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
-    asyncio.run(_serve(settings))
+    run_loop(_serve(settings))
     return 0
+
+
+def run_loop(coro) -> None:
+    """Run on uvloop when it is installed (uvicorn[standard]); it relays chunks with
+    less CPU than asyncio's selector loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
 
 
 # -------------------------------------------------------------------------- sim
@@ -137,6 +148,13 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     return overhead_main(args)
 
 
+def cmd_bench_upstream(args: argparse.Namespace) -> int:
+    from .bench.overhead import serve_stamp
+
+    serve_stamp(args.port)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .bench.demo import main as demo_main
 
@@ -186,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("overhead", help="the proxy's own added latency and relay rate")
     p.add_argument("--streams", default="1,100,500", help="concurrent streams, comma-separated")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=128, help="chunks per stream")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench_overhead)
+
+    p = sub.add_parser("bench-upstream", help=argparse.SUPPRESS)  # the overhead bench's stamping upstream
+    p.add_argument("--port", type=int, required=True)
+    p.set_defaults(func=cmd_bench_upstream)
 
     p = sub.add_parser("demo", help="simulator + proxy: the starvation and the fix, side by side")
     p.add_argument("--preset", default="h200-qwen3-8b")

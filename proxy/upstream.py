@@ -53,6 +53,16 @@ def mapped_errors(upstream: str):
 
 
 class UpstreamClient:
+    """Requests to the upstreams over a few independent httpx pools.
+
+    httpcore's pool does linear bookkeeping over all of its connections whenever a
+    request starts or ends; with hundreds of open streams that became the proxy's
+    largest cost (profiled with py-spy: ~28% of the process). Requests fill the pools
+    in order, ``SHARD_STREAMS`` at a time, so that each stays small while a quiet
+    proxy keeps reusing the warm connections of its first pool."""
+
+    SHARD_STREAMS = 32
+
     def __init__(
         self,
         urls: Iterable[str],
@@ -62,18 +72,27 @@ class UpstreamClient:
         max_connections: int = 4096,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        shards: int = 8,
     ):
         self.urls = list(urls)
         self.api_key = api_key
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=30.0),
-            transport=transport,
-        )
+        per_shard = max(1, -(-max_connections // shards))
+        self._clients = [
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout,
+                                      pool=connect_timeout),
+                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard,
+                                    keepalive_expiry=30.0),
+                transport=transport,
+            )
+            for _ in range(shards)
+        ]
+        self._inflight = [0] * shards
+        self._client = self._clients[0]  # for the occasional small request
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -85,13 +104,25 @@ class UpstreamClient:
         if upstream not in self.urls:
             raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
         url = upstream + path + (f"?{query}" if query else "")
-        req = self._client.build_request(method, url, headers=request_headers(headers, self.api_key), content=content)
-        with mapped_errors(upstream):
-            resp = await self._client.send(req, stream=True)
+        shard = self._pick_shard()
+        client = self._clients[shard]
+        req = client.build_request(method, url, headers=request_headers(headers, self.api_key), content=content)
+        self._inflight[shard] += 1
         try:
-            yield resp
+            with mapped_errors(upstream):
+                resp = await client.send(req, stream=True)
+            try:
+                yield resp
+            finally:
+                await resp.aclose()
         finally:
-            await resp.aclose()
+            self._inflight[shard] -= 1
+
+    def _pick_shard(self) -> int:
+        for i, n in enumerate(self._inflight):
+            if n < self.SHARD_STREAMS:
+                return i
+        return min(range(len(self._inflight)), key=self._inflight.__getitem__)
 
     async def post_json(self, upstream: str, path: str, payload: dict, timeout: float | None = None) -> dict:
         with mapped_errors(upstream):

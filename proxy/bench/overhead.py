@@ -1,0 +1,206 @@
+"""The proxy's own cost: added TTFT and added per-chunk delay, side by side.
+
+An upstream process ("stamp server") streams chunks at a fixed pace, each carrying
+the moment it was written (``time.monotonic()``, one clock for every process on the
+machine). The client measures, per chunk, arrival minus that stamp, and per request
+the time to the first chunk; once straight at the upstream, once through a
+prefill-gate process in front of it. The difference is what the proxy adds.
+
+    prefill-gate bench overhead [--streams 1,100,500] [--tokens 64] [--json FILE]
+
+Levels: each concurrency at a modest per-stream rate (streams tick at their own
+phases), then a ramp of the total chunk rate (100 streams) to find the highest rate
+at which the added p99 per-chunk delay stays <= 5 ms, then the same concurrency with
+every stream's chunk in one tick (as one vLLM step emits every stream's token): there
+the p99 also holds the queueing of a whole burst. Client, upstream and proxy share this machine's cores: the rates are
+what one proxy process sustains *here*, with its load generator beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from .report import environment, percentile, table, write_json
+from .services import Service
+
+STAMP = b'"t":'
+
+
+# ---------------------------------------------------------------- the upstream
+async def stamp_app(scope, receive, send) -> None:
+    """A raw ASGI app: POST .../completions streams ``max_tokens`` chunks, one every
+    ``interval`` seconds (body fields), each stamped with its write time."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] != "/v1/chat/completions":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        return
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    body = json.loads(raw)
+    n, interval = body.get("max_tokens", 16), body.get("interval", 0.01)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    ticks = _Ticker.get(interval) if body.get("sync") else None
+    loop = asyncio.get_running_loop()
+    next_at = loop.time()
+    for _ in range(n):
+        if ticks is not None:
+            await ticks.next()
+        else:
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+        chunk = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}],"t":%.9f}\n\n' % time.monotonic()
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class _Ticker:
+    """One clock per interval: every stream on it gets its chunk in the same tick, as
+    every decoding request gets its token in the same vLLM step."""
+
+    _all: dict[float, "_Ticker"] = {}
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._fut: asyncio.Future | None = None
+
+    @classmethod
+    def get(cls, interval: float) -> "_Ticker":
+        if interval not in cls._all:
+            cls._all[interval] = cls(interval)
+        return cls._all[interval]
+
+    def next(self) -> asyncio.Future:
+        if self._fut is None or self._fut.done():
+            loop = asyncio.get_running_loop()
+            self._fut = loop.create_future()
+            loop.call_later(self.interval, self._fire, self._fut)
+        return self._fut
+
+    @staticmethod
+    def _fire(fut: asyncio.Future) -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+
+# ------------------------------------------------------------------ the client
+async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delays: list, sync: bool = False) -> None:
+    """One streaming request over a raw socket. Stamps are found by a byte search, so
+    that the load generator costs far less than the proxy it measures."""
+    host, port = url.split("//", 1)[1].split(":")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
+                       "interval": interval, "stream": True, "sync": sync}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    sent = time.monotonic()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+    buf = b""
+    first = True
+    try:
+        while b"[DONE]" not in buf:
+            data = await reader.read(262144)
+            if not data:
+                break
+            now = time.monotonic()
+            buf += data
+            pos = 0
+            while (j := buf.find(STAMP, pos)) >= 0 and (k := buf.find(b"}", j)) >= 0:
+                if first:
+                    ttfts.append(now - sent)
+                    first = False
+                delays.append(now - float(buf[j + len(STAMP):k]))
+                pos = k + 1
+            buf = buf[pos:]
+    finally:
+        writer.close()
+
+
+async def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = False) -> dict:
+    ttfts: list[float] = []
+    delays: list[float] = []
+    await _one_stream(url, 2, 0.001, [], [])  # warm the path (the proxy's upstream pool)
+    t0 = time.monotonic()
+    # spread the starts over up to a second: concurrency, not a burst of simultaneous arrivals
+    spread = min(1.0, tokens * interval / 2)
+
+    async def staggered(k: int) -> None:
+        await asyncio.sleep(spread * k / streams)
+        await _one_stream(url, tokens, interval, ttfts, delays, sync)
+
+    await asyncio.gather(*(staggered(k) for k in range(streams)))
+    wall = time.monotonic() - t0
+    return {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
+            "chunk_ms_p50": percentile(delays, 50) * 1e3, "chunk_ms_p99": percentile(delays, 99) * 1e3,
+            "chunks": len(delays), "chunks_per_s": len(delays) / wall}
+
+
+async def compare(direct: str, proxied: str, streams: int, tokens: int, interval: float, sync: bool = False) -> dict:
+    d = await measure(direct, streams, tokens, interval, sync)
+    p = await measure(proxied, streams, tokens, interval, sync)
+    return {"streams": streams, "target_chunks_per_s": streams / interval, "direct": d, "proxy": p,
+            "added_ttft_ms_p50": p["ttft_ms_p50"] - d["ttft_ms_p50"],
+            "added_ttft_ms_p99": p["ttft_ms_p99"] - d["ttft_ms_p99"],
+            "added_chunk_ms_p50": p["chunk_ms_p50"] - d["chunk_ms_p50"],
+            "added_chunk_ms_p99": p["chunk_ms_p99"] - d["chunk_ms_p99"],
+            "direct_chunks_per_s": d["chunks_per_s"], "relayed_chunks_per_s": p["chunks_per_s"]}
+
+
+COLUMNS = [("streams", "streams"), ("target_chunks_per_s", "target chunks/s"), ("direct_chunks_per_s", "direct chunks/s"),
+           ("relayed_chunks_per_s", "relayed chunks/s"), ("added_ttft_ms_p50", "added TTFT p50 ms"),
+           ("added_ttft_ms_p99", "added TTFT p99 ms"), ("added_chunk_ms_p50", "added chunk p50 ms"),
+           ("added_chunk_ms_p99", "added chunk p99 ms")]
+
+
+def _sustained(row: dict) -> bool:
+    """The proxy kept up: added p99 per-chunk delay <= 5 ms and (nearly) the direct rate."""
+    return row["added_chunk_ms_p99"] <= 5.0 and row["relayed_chunks_per_s"] >= 0.95 * row["direct"]["chunks_per_s"]
+
+
+def main(args) -> int:
+    levels = [int(s) for s in str(args.streams).split(",") if s.strip()]
+    rows, ramp, synced = [], [], []
+    with Service("bench-upstream", name="stamp") as up, \
+            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy") as gate:
+        for streams in levels:
+            interval = max(0.01, streams / 5000)  # at most ~5k chunks/s for the concurrency levels
+            print(f"[overhead] {streams} streams at {1 / interval:.0f} chunks/s each", file=sys.stderr)
+            rows.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, interval)))
+        for rate in (2000, 4000, 6000, 8000, 10000, 12000, 15000, 20000):
+            print(f"[overhead] ramp: 100 streams, {rate} chunks/s in total", file=sys.stderr)
+            row = asyncio.run(compare(up.url, gate.url, 100, max(args.tokens, rate // 50), 100 / rate))
+            ramp.append(row)
+            if not _sustained(row):
+                break
+        for streams in levels[1:]:
+            print(f"[overhead] {streams} streams in synchronized steps", file=sys.stderr)
+            synced.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, max(0.01, streams / 5000),
+                                              sync=True)))
+    ok = [r for r in ramp if _sustained(r)]
+    best = max((r["relayed_chunks_per_s"] for r in ok), default=0.0)
+    print(table(rows, COLUMNS))
+    print("\nramp (100 streams):")
+    print(table(ramp, COLUMNS))
+    print("\nsynchronized steps (every stream's chunk in the same tick, as in one vLLM step):")
+    print(table(synced, COLUMNS))
+    print(f"\nhighest relayed rate with added p99 per-chunk delay <= 5 ms: {best:.0f} chunks/s")
+    if args.json:
+        write_json(args.json, {"bench": "overhead", "levels": rows, "ramp": ramp, "synchronized": synced, "max_chunks_per_s": best,
+                               **environment()})
+    return 0
+
+
+def serve_stamp(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(stamp_app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
