@@ -16,9 +16,20 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from .admission import RequestClass, Ticket
+from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError
 from .estimate import Estimate, shape_of
-from .relay import Exchange, Outcome, SSESplitter, StreamObserver, relay_raw, send_body, upstream_headers
+from .relay import (
+    DONE_EVENT,
+    Exchange,
+    Outcome,
+    SSESplitter,
+    StreamObserver,
+    event_json,
+    relay_raw,
+    send_body,
+    upstream_headers,
+)
 from .upstream import mapped_errors
 
 if TYPE_CHECKING:
@@ -101,6 +112,7 @@ def priority_of(body: dict, header: str | None) -> int:
 # ------------------------------------------------------------------------ gated
 @dataclass
 class GatedRequest:
+    endpoint: str  # "chat" | "completions"
     path: str
     headers: dict[str, str]
     content: bytes
@@ -110,6 +122,7 @@ class GatedRequest:
     estimate: Estimate
     ticket: Ticket
     received_at: float
+    assemble: bool = False  # the client wants JSON; we stream upstream to see the phase
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
@@ -120,20 +133,25 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
     estimate = await state.estimator.estimate(shape_of(body, endpoint), model)
     cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER))
     streaming = bool(body.get("stream"))
+    assemble = not streaming and state.settings.protect_non_streaming and convertible(body)
     drop_usage = False
-    if streaming and not (body.get("stream_options") or {}).get("include_usage"):
+    if assemble:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        raw = json.dumps(body).encode()
+    elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         raw = json.dumps(body).encode()
         drop_usage = True
     ticket = Ticket(
         cls=cls,
         tokens=estimate.tokens,
-        protected=streaming or state.settings.protect_non_streaming,
+        protected=streaming or assemble,  # a phase the proxy cannot see cannot be protected
         priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
     )
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
-    return GatedRequest(request.url.path, dict(request.headers), raw, model, streaming, drop_usage, estimate, ticket,
-                        received_at)
+    return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
+                        estimate, ticket, received_at, assemble)
 
 
 class GatedExchange(Exchange):
@@ -152,7 +170,9 @@ class GatedExchange(Exchange):
         async with st.gate.admission(req.ticket) as lease:
             self.lease = lease
             async with st.client.stream(lease.upstream, "POST", req.path, req.headers, req.content) as resp:
-                if resp.status_code == 200 and req.streaming:
+                if resp.status_code == 200 and req.assemble:
+                    await self._relay_assembled(send, resp, lease.upstream)
+                elif resp.status_code == 200 and req.streaming:
                     await self._relay_stream(send, resp, lease.upstream)
                 else:
                     await self._relay_whole(send, resp, lease.upstream)
@@ -189,6 +209,29 @@ class GatedExchange(Exchange):
         if not observer.done:
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
         await self.end(send)
+
+    async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
+        """Stream from upstream (to see the phase), answer the client with one JSON body."""
+        observer = StreamObserver(self._first_content, self._token_gap)
+        splitter = SSESplitter()
+        assembler = Assembler(self.req.endpoint)
+        with mapped_errors(upstream):
+            async for raw in resp.aiter_raw():
+                events = splitter.feed(raw)
+                observer.filter(events)
+                for ev in events:
+                    if ev != DONE_EVENT:
+                        obj = event_json(ev)
+                        if isinstance(obj, dict) and "error" in obj:
+                            raise UpstreamProtocolError(f"upstream {upstream} failed mid-generation: {obj['error']}")
+                        assembler.add(obj)
+        self.usage = observer.usage
+        if not observer.done:
+            raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
+        body = json.dumps(assembler.response()).encode()
+        await self.start(send, 200, [(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode())])
+        await self.end(send, body)
 
     def _first_content(self) -> None:
         self.lease.decoding()

@@ -78,6 +78,9 @@ class FakeVLLM:
             return response(500, text="engine dead")
         usage = {"prompt_tokens": body.get("usage_prompt_tokens", 10), "completion_tokens": 2, "total_tokens": 12}
         if not body.get("stream"):
+            if body.get("hold"):
+                self.first_token.set()
+                await self.release.wait()
             return response(200, {"id": "x", "object": "chat.completion", "model": "m", "usage": usage,
                                   "choices": [{"index": 0, "message": {"content": "ab"}}]})
         include_usage = (body.get("stream_options") or {}).get("include_usage")
