@@ -186,7 +186,7 @@ def main(args) -> int:
             print(f"[overhead] {streams} streams in synchronized steps", file=sys.stderr)
             synced.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, max(0.01, streams / 5000),
                                               sync=True)))
-    ok = [r for r in ramp if _sustained(r)]
+    ok = [r for r in rows + ramp if _sustained(r)]
     best = max((r["relayed_chunks_per_s"] for r in ok), default=0.0)
     print(table(rows, COLUMNS))
     print("\nramp (100 streams):")

@@ -98,7 +98,8 @@ def plot_overlap(results: list[dict], path: str | os.PathLike, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.6 * len(results)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.6 * len(results)), sharex=True, sharey=True,
+                             squeeze=False)
     for ax, res in zip(axes[:, 0], results):
         run = res["raw"][0]
         b, a = run["b"], run["a"]
