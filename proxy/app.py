@@ -35,6 +35,7 @@ from .estimate import (
 from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
 from .gate import Gate
 from .metrics import Metrics
+from .prefix_memory import PrefixMemory
 from .settings import Settings
 from .upstream import UpstreamClient
 
@@ -51,6 +52,7 @@ class AppState:
     gate: Gate
     client: UpstreamClient
     estimator: Estimator
+    prefix_memory: PrefixMemory
     health: dict[str, bool] = field(default_factory=dict)
 
     def mark_health(self, upstream: str, healthy: bool) -> None:
@@ -111,7 +113,8 @@ def build_state(
         exact if exact is not None else _exact_counter(settings, client, state_ref),
         band=settings.exact_count_band,
     )
-    state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator)
+    state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator,
+                     PrefixMemory(settings.upstreams, settings.prefix_memory_entries))
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
     for u in settings.upstreams:

@@ -43,10 +43,15 @@ class PromptShape:
 
 @dataclass(frozen=True)
 class Estimate:
-    tokens: int  # estimated prompt tokens (before any prefix-cache credit)
+    tokens: int  # estimated prompt tokens the upstream must prefill (the uncached tail)
     method: str  # "calibrated" | "exact" | "token_ids"
     n_bytes: int
     n_messages: int
+    cached: int = 0  # tokens credited to the upstream's prefix cache
+
+    @property
+    def total(self) -> int:
+        return self.tokens + self.cached
 
 
 def _content_text(content: Any, parts: list[str]) -> None:
@@ -181,17 +186,33 @@ class Estimator:
     def near_threshold(self, tokens: int) -> bool:
         return abs(tokens - self.threshold) <= self.band * self.threshold
 
-    async def estimate(self, shape: PromptShape, model: str) -> Estimate:
+    async def estimate(self, shape: PromptShape, model: str, cached: int = 0) -> Estimate:
+        """``cached``: tokens of this prompt the upstream probably holds already; the
+        estimate (and the threshold test for an exact count) is about the rest."""
         if shape.token_ids is not None:
             return Estimate(shape.token_ids, "token_ids", 0, 0)
         n_bytes = shape.n_bytes
         cheap = self.calibrator.estimate(model, n_bytes, shape.n_messages)
-        if self.exact is not None and self.near_threshold(cheap):
+        cached = min(cached, cheap)
+        if self.exact is not None and self.near_threshold(cheap - cached):
             try:
-                return Estimate(await self.exact.count(shape, model), "exact", n_bytes, shape.n_messages)
+                exact = await self.exact.count(shape, model)
+                cached = min(cached, exact)
+                return Estimate(exact - cached, "exact", n_bytes, shape.n_messages, cached)
             except Exception as exc:  # an exact count refines the estimate; it must not fail the request
                 log.warning("exact token count failed (%s: %s); using the calibrated estimate", type(exc).__name__, exc)
-        return Estimate(cheap, "calibrated", n_bytes, shape.n_messages)
+        return Estimate(cheap - cached, "calibrated", n_bytes, shape.n_messages, cached)
+
+    def message_tokens(self, messages: list, model: str) -> list[int]:
+        """Cumulative estimated tokens of each message-list prefix (for the prefix memory)."""
+        out, total = [], 0
+        for m in messages:
+            parts: list[str] = []
+            if isinstance(m, dict):
+                _content_text(m.get("content"), parts)
+            total += self.calibrator.estimate(model, sum(len(p.encode("utf-8", "surrogatepass")) for p in parts), 1)
+            out.append(total)
+        return out
 
     def observe(self, model: str, est: Estimate, prompt_tokens: int) -> float | None:
         """Learn from a finished request's usage; returns the relative error of the estimate."""
@@ -199,4 +220,4 @@ class Estimator:
             return None
         if est.method != "token_ids":
             self.calibrator.observe(model, est.n_bytes, est.n_messages, prompt_tokens)
-        return abs(est.tokens - prompt_tokens) / prompt_tokens
+        return abs(est.total - prompt_tokens) / prompt_tokens

@@ -19,6 +19,7 @@ from .admission import RequestClass, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError
 from .estimate import Estimate, shape_of
+from .prefix_memory import prefix_hashes
 from .relay import (
     DONE_EVENT,
     Exchange,
@@ -123,6 +124,8 @@ class GatedRequest:
     ticket: Ticket
     received_at: float
     assemble: bool = False  # the client wants JSON; we stream upstream to see the phase
+    prefixes: list[bytes] | None = None  # chat: hashes of the message-list prefixes
+    prefix_tokens: list[int] | None = None  # and their cumulative estimated tokens
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
@@ -130,7 +133,9 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
     raw = await read_body(request, state.settings.max_body_bytes)
     body = parse_body(raw, endpoint)
     model = body.get("model") or ""
-    estimate = await state.estimator.estimate(shape_of(body, endpoint), model)
+    prefixes = prefix_hashes(body["messages"]) if endpoint == "chat" else None
+    hit = state.prefix_memory.longest(prefixes) if prefixes else None
+    estimate = await state.estimator.estimate(shape_of(body, endpoint), model, cached=hit.tokens if hit else 0)
     cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER))
     streaming = bool(body.get("stream"))
     assemble = not streaming and state.settings.protect_non_streaming and convertible(body)
@@ -148,10 +153,13 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
         tokens=estimate.tokens,
         protected=streaming or assemble,  # a phase the proxy cannot see cannot be protected
         priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
+        prefer=hit.upstream if hit else None,  # keep a conversation where its prefix is cached
     )
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
+    state.metrics.cached_tokens.observe(estimate.cached)
+    prefix_tokens = state.estimator.message_tokens(body["messages"], model) if prefixes else None
     return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
-                        estimate, ticket, received_at, assemble)
+                        estimate, ticket, received_at, assemble, prefixes, prefix_tokens)
 
 
 class GatedExchange(Exchange):
@@ -161,6 +169,7 @@ class GatedExchange(Exchange):
         self.req = req
         self.lease: Lease | None = None
         self.usage: dict | None = None
+        self.prefilled = False  # the upstream computed (and so caches) the prompt
         cls = req.ticket.cls.value
         self._ttft = state.metrics.ttft.labels(cls)
         self._itl = {True: state.metrics.itl.labels(cls, "true"), False: state.metrics.itl.labels(cls, "false")}
@@ -181,6 +190,7 @@ class GatedExchange(Exchange):
         with mapped_errors(upstream):
             body = await resp.aread()
         if resp.status_code == 200:
+            self.prefilled = True
             if b'"usage"' in body:
                 try:
                     usage = json.loads(body).get("usage")
@@ -234,6 +244,7 @@ class GatedExchange(Exchange):
         await self.end(send, body)
 
     def _first_content(self) -> None:
+        self.prefilled = True
         self.lease.decoding()
         self._ttft.observe(time.monotonic() - self.req.received_at)
 
@@ -251,6 +262,8 @@ class GatedExchange(Exchange):
                 m.upstream_errors.labels(upstream, kind).inc()
             if kind == "connect":
                 st.mark_health(upstream, False)
+        if self.prefilled and upstream is not None and req.prefixes:
+            st.prefix_memory.remember(upstream, req.prefixes, req.prefix_tokens)
         prompt_tokens = (self.usage or {}).get("prompt_tokens")
         if isinstance(prompt_tokens, int):
             err = st.estimator.observe(req.model, req.estimate, prompt_tokens)

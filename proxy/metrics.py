@@ -46,6 +46,9 @@ class Metrics:
                                  ["upstream"], registry=r)
         self.estimated_tokens = Histogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
                                           ["class"], buckets=_TOKENS, registry=r)
+        self.cached_tokens = Histogram(p + "estimated_cached_prompt_tokens",
+                                       "Prompt tokens credited to the upstream's prefix cache.",
+                                       buckets=(0,) + _TOKENS, registry=r)
         self.ttft = Histogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
                               ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
         self.itl = Histogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",

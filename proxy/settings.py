@@ -70,6 +70,9 @@ class Settings(BaseModel):
     tokenizer_json: str | None = Field(None, description="Path to a HF tokenizer.json for exact counts.")
     tiktoken_encoding: str | None = Field(None, description="A tiktoken encoding name (e.g. o200k_base).")
     upstream_tokenize: bool = Field(False, description="Ask the upstream's /tokenize for exact counts.")
+    prefix_memory_entries: int = Field(
+        20000, ge=0, description="Message-list prefixes remembered per upstream (0: count whole prompts)."
+    )
 
     # --- limits and timeouts ---------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")

@@ -85,3 +85,13 @@ def test_serve_exits_2_with_a_clear_message(capsys):
 
     assert main(["serve", "--large-prefill-tokens", "-5"]) == 2
     assert "setting large_prefill_tokens (from flag)" in capsys.readouterr().err
+
+
+def test_readme_lists_every_setting():
+    from pathlib import Path
+
+    from proxy.settings import Settings
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in Settings.model_fields:
+        assert f"`{name}`" in readme and f"PREFILL_GATE_{name.upper()}" in readme, name

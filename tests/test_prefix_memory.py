@@ -1,0 +1,90 @@
+"""Uncached-tail estimation: a long conversation's new small turn is interactive,
+a turn that adds a long tool result is a large prefill."""
+
+import asyncio
+
+from conftest import UPSTREAM, proxy_client
+from proxy.prefix_memory import PrefixMemory, prefix_hashes
+
+CHAT = "/v1/chat/completions"
+
+
+def msgs(*contents):
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(contents)]
+
+
+def test_hashes_chain_and_identify_prefixes():
+    a = prefix_hashes(msgs("x", "y", "z"))
+    b = prefix_hashes(msgs("x", "y", "other"))
+    c = prefix_hashes(msgs("q", "y", "z"))
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert a[1] != c[1]  # same second message, other history
+
+
+def test_longest_prefix_excludes_the_newest_message_and_picks_the_best_upstream():
+    mem = PrefixMemory(["u1", "u2"])
+    h = prefix_hashes(msgs("a", "b", "c", "d"))
+    mem.remember("u1", h[:1], [100])
+    mem.remember("u2", h[:3], [100, 110, 5000])
+    hit = mem.longest(h)
+    assert (hit.upstream, hit.messages, hit.tokens) == ("u2", 3, 5000)
+    assert mem.longest(h[:3]).messages == 2  # the newest message is never cached
+    assert mem.longest(prefix_hashes(msgs("z", "b"))) is None
+
+
+def test_memory_is_bounded_lru():
+    mem = PrefixMemory(["u"], capacity=2)
+    h = prefix_hashes(msgs("a", "b", "c", "d"))
+    mem.remember("u", h[:3], [1, 2, 3])
+    assert len(mem) == 2 and mem.longest(h[:2]) is None  # the oldest prefix fell out
+
+
+async def _hold(c, fake):
+    task = asyncio.create_task(c.post(CHAT, json={"messages": msgs("b"), "stream": True, "hold": True}))
+    await asyncio.wait_for(fake.first_token.wait(), 5)
+    await asyncio.sleep(0.05)
+    return task
+
+
+async def test_agent_turns_small_tail_runs_tool_result_waits(fake):
+    async with proxy_client(fake) as (c, state):
+        history = msgs("x" * 240_000, "ok")  # ~60k tokens of conversation, sent while idle
+        r = await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "first"}]})
+        assert r.status_code == 200
+        b = await _hold(c, fake)  # another stream decodes from here on
+
+        turn = history + [{"role": "user", "content": "first"}, {"role": "assistant", "content": "done"},
+                          {"role": "user", "content": "now a short question"}]
+        r = await asyncio.wait_for(c.post(CHAT, json={"messages": turn}), 5)
+        assert r.status_code == 200  # not held: only the new tail is prefill work
+        tool = turn + [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "y" * 120_000}]
+        held = asyncio.create_task(c.post(CHAT, json={"messages": tool}))
+        await asyncio.sleep(0.1)
+        assert state.policy.queue_depth == 1 and not held.done()  # the 30k-token tool result is large
+        fake.release.set()
+        await b
+        assert (await asyncio.wait_for(held, 5)).status_code == 200
+        reg = state.metrics.registry
+        assert reg.get_sample_value("prefill_gate_estimated_cached_prompt_tokens_count") == 4
+        assert reg.get_sample_value("prefill_gate_admissions_total",
+                                    {"class": "interactive", "decision": "immediate"}) == 2
+        assert reg.get_sample_value("prefill_gate_admissions_total", {"class": "large", "decision": "after_wait"}) == 1
+
+
+async def test_prefix_memory_off_counts_whole_prompts(fake):
+    async with proxy_client(fake, prefix_memory_entries=0) as (c, state):
+        history = msgs("x" * 40_000, "ok")
+        await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q"}]})
+        b = await _hold(c, fake)
+        again = asyncio.create_task(c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q2"}]}))
+        await asyncio.sleep(0.1)
+        assert state.policy.queue_depth == 1 and not again.done()
+        fake.release.set()
+        await asyncio.gather(b, again)
+
+
+async def test_failed_requests_are_not_remembered(fake):
+    async with proxy_client(fake) as (c, state):
+        history = msgs("x" * 40_000)
+        r = await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q"}], "fail": "500"})
+        assert r.status_code == 500 and len(state.prefix_memory) == 0
