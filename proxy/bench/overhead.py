@@ -138,7 +138,9 @@ async def measure(url: str, streams: int, tokens: int, interval: float, sync: bo
         await asyncio.sleep(spread * k / streams)
         await _one_stream(url, tokens, interval, ttfts, delays, sync)
 
-    await asyncio.gather(*(staggered(k) for k in range(streams)))
+    rounds = max(1, 20 // streams)  # at least 20 TTFT samples per level
+    for _ in range(rounds):
+        await asyncio.gather(*(staggered(k) for k in range(streams)))
     wall = time.monotonic() - t0
     return {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
             "chunk_ms_p50": percentile(delays, 50) * 1e3, "chunk_ms_p99": percentile(delays, 99) * 1e3,
