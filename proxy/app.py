@@ -137,7 +137,7 @@ class GateApp:
     """The ASGI entry point. The two gated endpoints go straight to their exchange:
     FastAPI's middleware stack wraps every ``send`` of a response, so on a relay of
     thousands of chunks a second it cost more than the relay itself (py-spy). Every
-    other path, the lifespan and the OpenAPI document are FastAPI's."""
+    other path and the lifespan are FastAPI's."""
 
     def __init__(self, state: AppState, api: FastAPI):
         self.state = state
@@ -176,22 +176,6 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return exc.response()
-
-    async def gated(request: Request, endpoint: str):
-        try:
-            req = await prepare(state, request, endpoint)
-        except ProxyError:
-            state.metrics.requests.labels("interactive", "bad_request").inc()
-            raise
-        return GatedExchange(state, req)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await gated(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await gated(request, "completions")
 
     @app.get("/health")
     async def health():

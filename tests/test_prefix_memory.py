@@ -3,7 +3,7 @@ a turn that adds a long tool result is a large prefill."""
 
 import asyncio
 
-from conftest import UPSTREAM, proxy_client
+from conftest import proxy_client
 from proxy.prefix_memory import PrefixMemory, prefix_hashes
 
 CHAT = "/v1/chat/completions"
