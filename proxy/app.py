@@ -60,7 +60,7 @@ class AppState:
             log.info("upstream %s is %s", upstream, "up" if healthy else "down")
         self.health[upstream] = healthy
         self.metrics.upstream_up.labels(upstream).set(1 if healthy else 0)
-        self.gate._wake(self.policy.set_health(upstream, healthy))
+        self.gate.set_health(upstream, healthy)
 
     def pick_upstream(self) -> str:
         up = [u for u in self.settings.upstreams if self.health.get(u, True)]

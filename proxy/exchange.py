@@ -29,9 +29,8 @@ from .relay import (
     event_json,
     relay_raw,
     send_body,
-    upstream_headers,
 )
-from .upstream import mapped_errors
+from .upstream import mapped_errors, response_headers
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -200,44 +199,43 @@ class GatedExchange(Exchange):
         else:
             self.outcome.kind = "upstream_http_error"
             self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
-        await self.start(send, resp.status_code, upstream_headers(resp))
+        await self.start(send, resp.status_code, response_headers(resp.headers))
         await self.end(send, body)
+
+    async def _upstream_events(self, resp: httpx.Response, upstream: str, observer: StreamObserver):
+        """Batches of complete SSE events as they arrive; then the checks of a clean end."""
+        splitter = SSESplitter()
+        with mapped_errors(upstream):
+            async for raw in resp.aiter_raw():
+                yield splitter.feed(raw)
+        rest = splitter.flush()
+        if rest:
+            yield [rest]
+        self.usage = observer.usage
+        if not observer.done:
+            raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
     async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
         observer = StreamObserver(self._first_content, self._token_gap, drop_usage=self.req.drop_usage)
-        splitter = SSESplitter()
-        await self.start(send, 200, upstream_headers(resp))
-        with mapped_errors(upstream):
-            async for raw in resp.aiter_raw():
-                out = observer.filter(splitter.feed(raw))
-                if out:
-                    await send_body(send, out, True)
-        self.usage = observer.usage
-        rest = splitter.flush()
-        if rest:
-            await send_body(send, rest, True)
-        if not observer.done:
-            raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
+        await self.start(send, 200, response_headers(resp.headers))
+        async for events in self._upstream_events(resp, upstream, observer):
+            out = observer.filter(events)
+            if out:
+                await send_body(send, out, True)
         await self.end(send)
 
     async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
         observer = StreamObserver(self._first_content, self._token_gap)
-        splitter = SSESplitter()
         assembler = Assembler(self.req.endpoint)
-        with mapped_errors(upstream):
-            async for raw in resp.aiter_raw():
-                events = splitter.feed(raw)
-                observer.filter(events)
-                for ev in events:
-                    if ev != DONE_EVENT:
-                        obj = event_json(ev)
-                        if isinstance(obj, dict) and "error" in obj:
-                            raise UpstreamProtocolError(f"upstream {upstream} failed mid-generation: {obj['error']}")
-                        assembler.add(obj)
-        self.usage = observer.usage
-        if not observer.done:
-            raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
+        async for events in self._upstream_events(resp, upstream, observer):
+            observer.filter(events)
+            for ev in events:
+                if ev != DONE_EVENT:
+                    obj = event_json(ev)
+                    if isinstance(obj, dict) and "error" in obj:
+                        raise UpstreamProtocolError(f"upstream {upstream} failed mid-generation: {obj['error']}")
+                    assembler.add(obj)
         body = json.dumps(assembler.response()).encode()
         await self.start(send, 200, [(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())])
@@ -284,7 +282,7 @@ class PassthroughExchange(Exchange):
     async def run(self, send) -> None:
         upstream = self.args[0]
         async with self.state.client.stream(*self.args) as resp:
-            await self.start(send, resp.status_code, upstream_headers(resp))
+            await self.start(send, resp.status_code, response_headers(resp.headers))
             await relay_raw(send, resp, upstream)
             await self.end(send)
 

@@ -92,6 +92,10 @@ class Gate:
             self._waiters.pop(ticket.id, None)
             self._sync()
 
+    def set_health(self, upstream: str, healthy: bool) -> None:
+        """An upstream came back (queued tickets may start there) or went away."""
+        self._wake(self.policy.set_health(upstream, healthy))
+
     def _wake(self, admitted: list[Ticket]) -> None:
         for t in admitted:
             fut = self._waiters.get(t.id)

@@ -2,7 +2,7 @@
 
 A proxied request runs as an ASGI response object (``Exchange``) so that one
 coroutine owns its whole life: the wait in the queue, the upstream request and
-the relay of every chunk. A watcher on ``receive()`` cancels that coroutine the
+the relay of every chunk. A ``DisconnectWatch`` cancels that coroutine the
 moment the client disconnects, in any phase; the ``async with`` blocks it is in
 then close the upstream connection (vLLM aborts the request and frees its KV
 cache) and release the admission lease, exactly once.
@@ -13,7 +13,6 @@ back is the usage-only chunk the proxy asked for on the client's behalf.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -22,8 +21,9 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
+from .disconnect import DisconnectWatch
 from .errors import ProxyError, QueueFull, QueueTimeout, UpstreamError
-from .upstream import mapped_errors, response_headers
+from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -146,7 +146,6 @@ class Outcome:
 
     kind: str = "completed"
     error: ProxyError | None = None
-    status: int = 200
     extra: dict = field(default_factory=dict)
 
 
@@ -170,8 +169,8 @@ class Exchange(Response):
         self.background = None
         self.status_code = 200
         self.started = False
-        self.closing = False
         self.outcome = Outcome()
+        self._watch: DisconnectWatch | None = None
 
     async def run(self, send) -> None:
         raise NotImplementedError
@@ -181,43 +180,26 @@ class Exchange(Response):
 
     async def start(self, send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        self.outcome.status = status
         await send_start(send, status, headers)
 
     async def end(self, send, body: bytes = b"") -> None:
-        self.closing = True  # from here on a disconnect is no longer news
+        self._watch.closing = True  # from here on a disconnect is no longer news
         await send_body(send, body, False)
 
     async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not self.closing:
-                        gone = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.create_task(watch())
         try:
-            await self.run(send)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            task.uncancel()
-            self.outcome.kind = "client_disconnect"
-        except ProxyError as exc:
-            self.outcome.error = exc
-            self.outcome.kind = _outcome_kind(exc)
-            await self._send_error(send, exc)
-        except OSError:  # the socket went away under a send
-            self.outcome.kind = "client_disconnect"
+            async with DisconnectWatch(receive) as self._watch:
+                try:
+                    await self.run(send)
+                except ProxyError as exc:
+                    self.outcome.error = exc
+                    self.outcome.kind = _outcome_kind(exc)
+                    await self._send_error(send, exc)
+                except OSError:  # the socket went away under a send
+                    self.outcome.kind = "client_disconnect"
+            if self._watch.gone:
+                self.outcome.kind = "client_disconnect"
         finally:
-            watcher.cancel()
             self.finished(self.outcome)
 
     async def _send_error(self, send, exc: ProxyError) -> None:
@@ -226,7 +208,6 @@ class Exchange(Response):
                 body = json.dumps(exc.body()).encode()
                 headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers().items()]
-                self.outcome.status = exc.status
                 await send_start(send, exc.status, headers)
                 await self.end(send, body)
             else:
@@ -249,6 +230,3 @@ async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:
         async for chunk in resp.aiter_raw():
             await send_body(send, chunk, True)
 
-
-def upstream_headers(resp: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return response_headers(resp.headers)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..disconnect import DisconnectWatch
 from .engine import Engine, SimRequest
 
 IM_START, IM_END = 0x110000, 0x110001  # special tokens: outside Unicode, one token each
@@ -82,43 +83,30 @@ class _EngineResponse(Response):
         self.status_code = 200
 
     async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        closing = gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not closing:
-                gone = True
-                task.cancel()
-
-        watcher = asyncio.create_task(watch())
         try:
-            if not self.stream:
-                while await self.req.events.get() is not None:
-                    pass
-                body = json.dumps(self.render.whole()).encode()
-                closing = True
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-            while (index := await self.req.events.get()) is not None:
-                await send({"type": "http.response.body", "body": self.render.token(index), "more_body": True})
-            closing = True
-            await send({"type": "http.response.body", "body": self.render.tail(), "more_body": False})
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            task.uncancel()
+            async with DisconnectWatch(receive) as watch:
+                await self._send_tokens(send, watch)
         except OSError:  # the socket closed under a send: the client is gone
             pass
         finally:
-            watcher.cancel()
-            self.engine.abort(self.req)
+            self.engine.abort(self.req)  # a no-op for a finished request
+
+    async def _send_tokens(self, send, watch: DisconnectWatch) -> None:
+        if not self.stream:
+            while await self.req.events.get() is not None:
+                pass
+            body = json.dumps(self.render.whole()).encode()
+            watch.closing = True
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        while (index := await self.req.events.get()) is not None:
+            await send({"type": "http.response.body", "body": self.render.token(index), "more_body": True})
+        watch.closing = True
+        await send({"type": "http.response.body", "body": self.render.tail(), "more_body": False})
 
 
 class _Render:
