@@ -1,0 +1,72 @@
+"""The only module that imports vLLM internals.
+
+engine_patches is written against exactly one vLLM release: its scheduler subclasses
+read request fields and scheduler attributes that vLLM does not promise to keep. A
+different version fails here, at import, with a message that says what to install,
+rather than mis-scheduling in production.
+"""
+
+from __future__ import annotations
+
+import vllm
+
+SUPPORTED_VLLM = "0.26.0"
+
+if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
+    raise ImportError(
+        f"engine_patches supports vLLM {SUPPORTED_VLLM} only, found {vllm.__version__}; "
+        f"install vllm=={SUPPORTED_VLLM} or unset --scheduler-cls / PREFILL_GATE_* to run "
+        "without the patches"
+    )
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "AsyncScheduler",
+    "Request",
+    "Scheduler",
+    "SchedulerOutput",
+    "decode_tokens",
+    "init_logger",
+    "is_decoding",
+]
+
+
+def is_decoding(request: Request) -> bool:
+    """A running request past its prompt: its next step is a decode (or a verify)."""
+    return not request.is_prefill_chunk
+
+
+def decode_tokens(scheduler: Scheduler, request: Request, step: int) -> int:
+    """The tokens vLLM 0.26's running loop will give this decoding request in `step`.
+
+    Mirrors `Scheduler.schedule()`'s per-request arithmetic for running requests (the
+    async early-stop and pipeline-cadence skips, 1 + k tokens with k speculative tokens,
+    the max-model-len clip), so a budget of `sum(decode_tokens) + cap` leaves exactly
+    `cap` tokens for prefills once the decodes are scheduled first.
+    """
+    if (
+        request.num_output_placeholders > 0
+        and request.num_computed_tokens + 2 - request.num_output_placeholders
+        >= request.num_prompt_tokens + request.max_tokens
+    ):
+        return 0
+    if step < request.next_decode_eligible_step:
+        return 0
+    n = (
+        request.num_tokens_with_spec
+        + request.num_output_placeholders
+        - request.num_computed_tokens
+    )
+    n = min(
+        n,
+        scheduler.max_model_len
+        - request.num_computed_tokens
+        - scheduler.num_sampled_tokens_per_step,
+    )
+    return max(n, 0)

@@ -1,0 +1,134 @@
+"""Step-pacing settings, read from PREFILL_GATE_PACING* environment variables.
+
+Environment variables and not vLLM's `--additional-config`: that one enters vLLM's
+compile-cache hash, so flipping a pacing knob would recompile the model. Every value is
+validated when the scheduler is built; an error names the variable and what it accepts.
+
+    PREFILL_GATE_PACING              off | cap | cadence | adaptive       (off)
+    PREFILL_GATE_PACING_CAP_TOKENS   cap: prefill tokens per step while a request
+                                     decodes; adaptive: the cap before the first fit (256)
+    PREFILL_GATE_PACING_INTERVAL     cadence: decode-only steps between prefill steps (1)
+    PREFILL_GATE_PACING_MAX_DEFERRED cadence: bound on consecutive steps without prefill,
+                                     vLLM's own throttle included (= INTERVAL)
+    PREFILL_GATE_PACING_TARGET_ITL_MS adaptive: the step time to hold while a request
+                                     decodes (required for adaptive)
+    PREFILL_GATE_PACING_MIN_TOKENS   adaptive: the least prefill per step, so a prefill
+                                     always advances (16)
+    PREFILL_GATE_PACING_GRAPH_CLAMP  1: keep decode tokens + cap within the largest
+                                     CUDA-graph capture size; 0: do not (1)
+    PREFILL_GATE_PACING_LOG_INTERVAL_S seconds between decision summaries in the log;
+                                     0: none (30)
+    PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
+                                     engine process on this port; 0: off (0)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["off", "cap", "cadence", "adaptive"]
+MODES: tuple[Mode, ...] = ("off", "cap", "cadence", "adaptive")
+PREFIX = "PREFILL_GATE_PACING"
+
+
+class PacingConfigError(ValueError):
+    """A PREFILL_GATE_PACING* variable holds a value pacing cannot use."""
+
+
+@dataclass(frozen=True)
+class PacingConfig:
+    mode: Mode = "off"
+    cap_tokens: int = 256
+    interval: int = 1
+    max_deferred: int = 1
+    target_itl_s: float | None = None
+    min_tokens: int = 16
+    graph_clamp: bool = True
+    log_interval_s: float = 30.0
+    metrics_port: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PacingConfig:
+        env = os.environ if environ is None else environ
+        mode = env.get(PREFIX, "off").strip().lower() or "off"
+        if mode not in MODES:
+            raise PacingConfigError(
+                f"{PREFIX}={env[PREFIX]!r}: expected one of {', '.join(MODES)}"
+            )
+        interval = _int(env, "INTERVAL", 1, low=1, high=1000)
+        target_ms = _float(env, "TARGET_ITL_MS", None, low=0.1, high=60_000.0)
+        if mode == "adaptive" and target_ms is None:
+            raise PacingConfigError(
+                f"{PREFIX}=adaptive needs {PREFIX}_TARGET_ITL_MS (the step time to hold, "
+                "in milliseconds, e.g. 3x the solo inter-token gap)"
+            )
+        max_deferred = _int(env, "MAX_DEFERRED", interval, low=1, high=1000)
+        if max_deferred < interval:
+            raise PacingConfigError(
+                f"{PREFIX}_MAX_DEFERRED={max_deferred} is below {PREFIX}_INTERVAL="
+                f"{interval}: the cadence could never be kept"
+            )
+        return cls(
+            mode=mode,  # type: ignore[arg-type]
+            cap_tokens=_int(env, "CAP_TOKENS", 256, low=1, high=1 << 20),
+            interval=interval,
+            max_deferred=max_deferred,
+            target_itl_s=None if target_ms is None else target_ms / 1000.0,
+            min_tokens=_int(env, "MIN_TOKENS", 16, low=1, high=1 << 20),
+            graph_clamp=_int(env, "GRAPH_CLAMP", 1, low=0, high=1) == 1,
+            log_interval_s=_float(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0),
+            metrics_port=_int(env, "METRICS_PORT", 0, low=0, high=65535),
+        )
+
+    def describe(self) -> str:
+        if self.mode == "off":
+            return "pacing off: vLLM's own scheduling"
+        if self.mode == "cap":
+            return f"pacing cap: at most {self.cap_tokens} prefill tokens per step while a request decodes"
+        if self.mode == "cadence":
+            return (
+                f"pacing cadence: {self.interval} decode-only step(s) between prefill steps "
+                f"while a request decodes (at most {self.max_deferred} in a row)"
+            )
+        assert self.target_itl_s is not None
+        return (
+            f"pacing adaptive: prefill tokens per step from a fitted step-time model, "
+            f"target {self.target_itl_s * 1000:.1f} ms while a request decodes "
+            f"(start {self.cap_tokens}, floor {self.min_tokens})"
+        )
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(f"{PREFIX}_{name}")
+    return None if value is None or not value.strip() else value.strip()
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
+    raw = _raw(env, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PacingConfigError(f"{PREFIX}_{name}={raw!r}: expected an integer") from None
+    if not low <= value <= high:
+        raise PacingConfigError(f"{PREFIX}_{name}={value}: expected {low}..{high}")
+    return value
+
+
+def _float(
+    env: Mapping[str, str], name: str, default: float | None, *, low: float, high: float
+) -> float | None:
+    raw = _raw(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PacingConfigError(f"{PREFIX}_{name}={raw!r}: expected a number") from None
+    if not low <= value <= high:
+        raise PacingConfigError(f"{PREFIX}_{name}={value}: expected {low}..{high}")
+    return value

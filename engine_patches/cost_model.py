@@ -1,0 +1,109 @@
+"""An online model of engine step time, for adaptive pacing.
+
+    t = a + b * decode_rows + c * P / 1e3 + d * sum(n * (start + n / 2)) / 1e6
+
+where P is the step's prefill tokens and the last term is the attention work of its
+prefill chunks (n new tokens each, starting at position `start`, attending to on average
+start + n / 2 positions). The coefficients are a ridge-regularised least-squares fit over
+a sliding window of measured steps, kept as running sums so an update costs O(16) and a
+solve O(64) float operations: cheap enough for every scheduler step.
+
+`prefill_budget()` inverts the model: the most prefill tokens (one chunk starting at
+`start`) whose predicted step time stays within a target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+N_FEATURES = 4
+# A weak prior (an H100/H200-class GPU running an 8B model) so the first solves are sane;
+# measured steps outweigh it after a few samples.
+PRIOR = (0.005, 0.0001, 0.02, 0.002)
+PRIOR_WEIGHT = 1e-3
+
+
+def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ...]:
+    """Features of one step; chunks are (start, n) of each prefill chunk scheduled."""
+    tokens = sum(n for _, n in chunks)
+    attention = sum(n * (start + n / 2) for start, n in chunks)
+    return (1.0, float(decode_rows), tokens / 1e3, attention / 1e6)
+
+
+class StepCostModel:
+    def __init__(self, window: int = 256) -> None:
+        self._window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._xtx = [[0.0] * N_FEATURES for _ in range(N_FEATURES)]
+        self._xty = [0.0] * N_FEATURES
+        self._theta: tuple[float, ...] = PRIOR
+        self._dirty = False
+
+    @property
+    def samples(self) -> int:
+        return len(self._window)
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        if self._dirty:
+            self._theta = self._solve()
+            self._dirty = False
+        return self._theta
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return sum(c * f for c, f in zip(self.coefficients, x))
+
+    def observe(self, x: tuple[float, ...], seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        if len(self._window) == self._window.maxlen:
+            old_x, old_y = self._window[0]
+            self._accumulate(old_x, old_y, -1.0)
+        self._window.append((x, seconds))
+        self._accumulate(x, seconds, 1.0)
+        self._dirty = True
+
+    def prefill_budget(self, target_s: float, decode_rows: int, start: int) -> float:
+        """Largest n with predicted time of (decode_rows, one chunk (start, n)) <= target.
+
+        Returns 0.0 when even an empty step is predicted over the target, and inf when
+        the fitted prefill cost is not positive (the model has not seen prefill yet).
+        """
+        a, b, c, d = self.coefficients
+        room = target_s - a - b * decode_rows
+        if room <= 0:
+            return 0.0
+        # room = c * n / 1e3 + d * n * (start + n / 2) / 1e6, solved for n >= 0.
+        quad = max(d, 0.0) / 2e6
+        lin = c / 1e3 + max(d, 0.0) * start / 1e6
+        if quad <= 0.0:
+            return room / lin if lin > 0 else math.inf
+        disc = lin * lin + 4 * quad * room
+        return (-lin + math.sqrt(disc)) / (2 * quad)
+
+    def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
+        for i in range(N_FEATURES):
+            xi = sign * x[i]
+            self._xty[i] += xi * y
+            row = self._xtx[i]
+            for j in range(N_FEATURES):
+                row[j] += xi * x[j]
+
+    def _solve(self) -> tuple[float, ...]:
+        # (X^T X + w I) theta = X^T y + w prior, by Gaussian elimination with pivoting.
+        m = [
+            [self._xtx[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in range(N_FEATURES)]
+            + [self._xty[i] + PRIOR_WEIGHT * PRIOR[i]]
+            for i in range(N_FEATURES)
+        ]
+        for col in range(N_FEATURES):
+            pivot = max(range(col, N_FEATURES), key=lambda r: abs(m[r][col]))
+            if abs(m[pivot][col]) < 1e-18:
+                return self._theta
+            m[col], m[pivot] = m[pivot], m[col]
+            for r in range(N_FEATURES):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    for k in range(col, N_FEATURES + 1):
+                        m[r][k] -= f * m[col][k]
+        return tuple(m[i][N_FEATURES] / m[i][i] for i in range(N_FEATURES))

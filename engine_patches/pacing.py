@@ -1,0 +1,262 @@
+"""Step pacing: bound the prefill work of each engine step while requests decode.
+
+vLLM's chunked prefill puts a long prompt's chunk and every streaming request's next
+token in the same step, so each of those tokens waits for the chunk. These schedulers
+change one thing about vLLM 0.26's `schedule()`: while any running request decodes and
+prefill work is pending, the step's prefill tokens are bounded.
+
+    PREFILL_GATE_PACING=cap       at most CAP_TOKENS prefill tokens per step
+    PREFILL_GATE_PACING=cadence   INTERVAL decode-only steps between prefill steps,
+                                  through vLLM's own `throttle_prefills` path
+    PREFILL_GATE_PACING=adaptive  the prefill tokens whose predicted step time meets
+                                  TARGET_ITL_MS, from a model fitted to measured steps
+    PREFILL_GATE_PACING=off       vLLM's own scheduling, untouched (the kill switch)
+
+Use `--scheduler-cls engine_patches.pacing.PacedAsyncScheduler` when vLLM schedules
+asynchronously (its default in 0.26) and `engine_patches.pacing.PacedScheduler` with
+`--no-async-scheduling`. With no request decoding nothing changes: a prompt that runs
+alone pays nothing for pacing.
+
+How the bound is applied, without re-implementing vLLM's scheduling loop: running
+requests that decode are moved ahead of those still prefilling (stable order within
+each group), so a prefilling request earlier in `running` can never take the budget
+from the decodes behind it; then the step's token budget is set to the decodes' own
+tokens (1 + k with k speculative tokens) plus the prefill cap, and the per-request
+`long_prefill_token_threshold` to at most the cap, for the duration of one `super()`
+call. Caps are whole KV blocks in hybrid align mode (never below one block: a smaller
+budget makes 0-token chunks and the prefill never advances), and by default they keep
+decode tokens + cap within the largest CUDA-graph capture size.
+
+Step durations for the adaptive fit are the intervals between `schedule()` calls: with
+the synchronous loop, the interval after a call is that step's duration; with the async
+batch queue (depth 2), it is the duration of the step scheduled one call earlier.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine_patches import _vllm
+from engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
+from engine_patches.config import PacingConfig
+from engine_patches.cost_model import StepCostModel, features
+from engine_patches.telemetry import PacingTelemetry
+
+logger = _vllm.init_logger(__name__)
+
+# Intervals longer than this include idle time or a stall, not a step.
+MAX_STEP_SECONDS = 2.0
+# Adaptive mode keeps its starting cap until the fit has this many steps.
+MIN_FIT_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What pacing does to one step: nothing, defer all prefill, or cap it."""
+
+    defer: bool = False
+    prefill_cap: int | None = None
+
+
+@dataclass
+class _StepRecord:
+    scheduled_at: float
+    tokens: int
+    x: tuple[float, ...]
+
+
+class Pacer:
+    """Per-step decisions; no vLLM state, so the policy reads (and tests) on its own."""
+
+    def __init__(
+        self,
+        config: PacingConfig,
+        *,
+        block_size: int | None = None,
+        graph_limit: int | None = None,
+        model: StepCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size  # set only in hybrid align mode
+        self.graph_limit = graph_limit if config.graph_clamp else None
+        self.model = model or StepCostModel()
+        self.deferred_in_row = 0
+
+    def plan(
+        self,
+        *,
+        decoding: bool,
+        prefill_pending: bool,
+        decode_tokens: int,
+        prefill_start: int,
+        engine_throttle: bool = False,
+    ) -> StepPlan:
+        mode = self.config.mode
+        if mode == "off" or not (decoding and prefill_pending):
+            self.deferred_in_row = 0
+            return StepPlan()
+        if mode == "cadence":
+            if self.deferred_in_row < self.config.interval or (
+                engine_throttle and self.deferred_in_row < self.config.max_deferred
+            ):
+                self.deferred_in_row += 1
+                return StepPlan(defer=True)
+            self.deferred_in_row = 0
+            return StepPlan()
+        if mode == "cap":
+            cap = self.config.cap_tokens
+        else:
+            cap = self._adaptive_cap(decode_tokens, prefill_start)
+        return StepPlan(prefill_cap=self._fit_cap(cap, decode_tokens))
+
+    def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int:
+        if self.model.samples < MIN_FIT_SAMPLES:
+            return self.config.cap_tokens
+        assert self.config.target_itl_s is not None
+        n = self.model.prefill_budget(self.config.target_itl_s, decode_rows, prefill_start)
+        if math.isinf(n):
+            return self.config.cap_tokens
+        return max(self.config.min_tokens, int(n))
+
+    def _fit_cap(self, cap: int, decode_tokens: int) -> int:
+        if self.graph_limit is not None and decode_tokens < self.graph_limit:
+            cap = min(cap, self.graph_limit - decode_tokens)
+        cap = max(cap, 1)
+        if self.block_size:
+            cap = max(self.block_size, cap // self.block_size * self.block_size)
+        return cap
+
+
+class _PacingMixin:
+    """The `schedule()` override shared by both scheduler classes."""
+
+    _schedule_lag = 0  # which earlier step the interval between two calls measures
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = PacingConfig.from_env()
+        align = self.need_mamba_block_aligned_split
+        graph_limit = self.vllm_config.compilation_config.max_cudagraph_capture_size
+        if self.vllm_config.model_config.enforce_eager:
+            graph_limit = None
+        self.pacer = Pacer(
+            config,
+            block_size=self.cache_config.block_size if align else None,
+            graph_limit=graph_limit,
+        )
+        self.pacing_clock = time.perf_counter
+        self.pacing_telemetry = PacingTelemetry(config, self.pacer.model)
+        self._pacing_steps: deque[_StepRecord] = deque(maxlen=4)
+        self._pacing_last_call: float | None = None
+        logger.info(
+            "prefill-gate %s%s%s",
+            config.describe(),
+            f"; caps in whole blocks of {self.cache_config.block_size}" if align else "",
+            f"; decode tokens + cap <= {self.pacer.graph_limit} (largest CUDA graph)"
+            if self.pacer.graph_limit and config.mode in ("cap", "adaptive")
+            else "",
+        )
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.pacer.config.mode == "off":
+            return super().schedule(throttle_prefills)
+        now = self.pacing_clock()
+        self._observe_step_time(now)
+
+        step = self.current_step + 1  # super().schedule() increments it first
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if _vllm.is_decoding(request) else prefills).append(request)
+        ordered = decodes + prefills
+        if any(a is not b for a, b in zip(self.running, ordered)):
+            self.running[:] = ordered
+        decode_tokens = sum(_vllm.decode_tokens(self, r, step) for r in decodes)
+        plan = self.pacer.plan(
+            decoding=bool(decodes),
+            prefill_pending=bool(prefills or self.waiting or self.skipped_waiting),
+            decode_tokens=decode_tokens,
+            prefill_start=prefills[0].num_computed_tokens if prefills else 0,
+            engine_throttle=throttle_prefills,
+        )
+
+        if plan.defer:
+            # vLLM disables its throttle while prefill capacity is saturated (a DP
+            # balancing heuristic); the cadence is bounded by MAX_DEFERRED instead.
+            self.prefill_capacity_bound = False
+            output = super().schedule(True)
+        elif plan.prefill_cap is not None:
+            output = self._schedule_capped(decode_tokens + plan.prefill_cap, plan.prefill_cap)
+        else:
+            output = super().schedule(throttle_prefills and self.pacer.config.mode != "cadence")
+
+        decode_ids = {r.request_id for r in decodes}
+        self._record_step(now, output, decode_ids, plan)
+        return output
+
+    def _schedule_capped(self, budget: int, cap: int) -> SchedulerOutput:
+        config = self.scheduler_config
+        saved_budget = self.max_num_scheduled_tokens
+        saved_threshold = config.long_prefill_token_threshold
+        self.max_num_scheduled_tokens = min(saved_budget, budget)
+        config.long_prefill_token_threshold = (
+            cap if saved_threshold <= 0 else min(saved_threshold, cap)
+        )
+        try:
+            return super().schedule(False)
+        finally:
+            self.max_num_scheduled_tokens = saved_budget
+            config.long_prefill_token_threshold = saved_threshold
+
+    def _record_step(
+        self, now: float, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan
+    ) -> None:
+        decode_rows = 0
+        chunks: list[tuple[int, int]] = []
+        for req_id, n in output.num_scheduled_tokens.items():
+            if req_id in decode_ids:
+                decode_rows += 1
+            else:
+                # _update_after_schedule has already advanced num_computed_tokens.
+                start = self.requests[req_id].num_computed_tokens - n
+                chunks.append((start, n))
+        x = features(decode_rows, chunks)
+        self._pacing_steps.append(_StepRecord(now, output.total_num_scheduled_tokens, x))
+        self.pacing_telemetry.step(
+            decode_rows=decode_rows,
+            prefill_tokens=sum(n for _, n in chunks),
+            plan_cap=plan.prefill_cap,
+            deferred=plan.defer,
+        )
+
+    def _observe_step_time(self, now: float) -> None:
+        last, self._pacing_last_call = self._pacing_last_call, now
+        if last is None or self.pacer.config.mode != "adaptive":
+            return
+        steps = self._pacing_steps
+        lag = self._schedule_lag
+        if len(steps) < 1 + lag:
+            return
+        measured = steps[-1 - lag]
+        # Every step between the measured one and now must have run (no idle gap).
+        if any(s.tokens == 0 for s in list(steps)[-1 - lag :]):
+            return
+        seconds = now - last
+        if 0 < seconds < MAX_STEP_SECONDS:
+            self.pacer.model.observe(measured.x, seconds)
+            self.pacing_telemetry.fitted(seconds)
+
+
+class PacedScheduler(_PacingMixin, Scheduler):
+    """vLLM's synchronous scheduler with step pacing (`--no-async-scheduling`)."""
+
+    _schedule_lag = 0
+
+
+class PacedAsyncScheduler(_PacingMixin, AsyncScheduler):
+    """vLLM's async scheduler (0.26's default) with step pacing."""
+
+    _schedule_lag = 1

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install everything the tests need into .venv and run them (CPU only, no network
+# beyond the package index). The README's test command and CI run exactly this.
+#
+#   1. the proxy with its test extras;
+#   2. vLLM 0.26.0's scheduler for the engine_patches tests: the CPU build of torch and
+#      what vLLM imports (requirements/engine-cpu.txt), then vLLM itself without its
+#      dependencies (requirements/engine-nodeps.txt: its torch pin is a CUDA build of
+#      several GB). About 80 s and 2 GB on a 2-core machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q -e ".[test]" -r requirements/engine-cpu.txt
+.venv/bin/pip install -q --no-deps -r requirements/engine-nodeps.txt
+PREFILL_GATE_REQUIRE_ENGINE=1 exec .venv/bin/python -m pytest "$@"

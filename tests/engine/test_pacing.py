@@ -1,0 +1,225 @@
+"""Step pacing on the real vLLM 0.26 Scheduler and AsyncScheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine_patches.pacing import PacedAsyncScheduler, PacedScheduler
+from tests.engine.harness import Engine, build
+
+CLASSES = [
+    pytest.param(PacedScheduler, 1, id="sync"),
+    pytest.param(PacedAsyncScheduler, 2, id="async"),
+]
+
+
+def make(cls, depth, tiny_model, **kw):
+    scheduler = build(cls, tiny_model, async_scheduling=depth == 2, **kw)
+    return scheduler
+
+
+def about_to_finish(scheduler, rid) -> bool:
+    """vLLM skips an async decode whose placeholders already reach max_tokens."""
+    r = scheduler.requests.get(rid)
+    return r is None or (
+        r.num_output_placeholders > 0
+        and r.num_computed_tokens + 2 - r.num_output_placeholders
+        >= r.num_prompt_tokens + r.max_tokens
+    )
+
+
+def assert_paced(engine: Engine, cap: int, spec: int = 0) -> None:
+    """No step with a live decode schedules more prefill than the cap; none skips one."""
+    for i, step in enumerate(engine.steps):
+        if not step.decoding:
+            continue
+        assert step.prefill_tokens <= cap, f"step {i}: {step.prefill_tokens} prefill > {cap}"
+        for rid in step.decoding:
+            if rid in step.decode_tokens:
+                assert step.decode_tokens[rid] <= 1 + spec
+            else:
+                assert about_to_finish(engine.scheduler, rid), f"step {i}: decode {rid} skipped"
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("cap", [128, 512])
+def test_cap_mixed_workload(cls, depth, cap, tiny_model, pacing_env):
+    pacing_env("cap", cap_tokens=cap)
+    engine = Engine(make(cls, depth, tiny_model), depth=depth)
+    streams = [engine.add(40, 300, f"B{i}") for i in range(3)]
+    engine.run(lambda: all(s in engine.first_token for s in streams))
+    start = len(engine.steps)
+    longs = [engine.add(28_600, 58, "A"), engine.add(9_000, 20, "C")]
+    engine.step()
+    shorts = [engine.add(120, 30, f"S{i}") for i in range(4)]
+    engine.run(lambda: all(r in engine.finished for r in longs + shorts))
+    engine.drain()
+
+    assert_paced(engine, cap)
+    # The prompts still progress at the cap: all prefill work done within the bound.
+    prefill_work = 28_600 + 9_000 + 4 * 120
+    last_first_token = max(engine.first_token[r] for r in longs + shorts)
+    assert last_first_token - start <= math.ceil(prefill_work / cap) + 3
+    # Every step while they were pending used the cap (no step wasted).
+    busy = engine.steps[start + 1 : last_first_token]
+    assert sum(s.prefill_tokens == cap for s in busy) >= len(busy) - 3
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_decodes_first_when_prefills_sit_earlier_in_running(cls, depth, tiny_model, pacing_env):
+    # Two long prompts and a stream admitted in one step (the user's own threshold of
+    # 1000 lets all three in): the prompts sit ahead of the stream in `running`. With a
+    # budget of decode tokens + cap, taken in that order, A1 would take the cap, A2 the
+    # stream's token, and the stream would stall.
+    pacing_env("cap", cap_tokens=256)
+    scheduler = make(cls, depth, tiny_model, max_num_batched_tokens=2048,
+                     long_prefill_token_threshold=1000)
+    engine = Engine(scheduler, depth=depth)
+    for name, prompt, out in (("A1", 40_000, 10), ("A2", 40_000, 10), ("B", 40, 150)):
+        engine.add(prompt, out, name)
+    engine.step()
+    assert [r.request_id for r in scheduler.running] == ["A1", "A2", "B"]
+    engine.run(lambda: "B" in engine.finished)
+    engine.drain()
+    assert_paced(engine, 256)
+    streamed = [s for s in engine.steps if "B" in s.decode_tokens]
+    assert len(streamed) == 150 - 1  # the first token came with its prompt; one per step
+    # The prompts still got the whole cap (A1 first, by arrival), never more.
+    assert all(s.prefill_tokens == 256 for s in streamed[:-2])
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_cadence_pattern_is_exact(cls, depth, interval, tiny_model, pacing_env):
+    pacing_env("cadence", interval=interval)
+    engine = Engine(make(cls, depth, tiny_model, max_num_batched_tokens=2048), depth=depth)
+    engine.add(40, 400, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    start = len(engine.steps)
+    engine.add(20_000, 10, "A")
+    engine.run(lambda: "A" in engine.first_token)
+    engine.drain()
+    pattern = [s.prefill_tokens > 0 for s in engine.steps[start : engine.first_token["A"] + 1]]
+    expected = ([False] * interval + [True]) * (len(pattern) // (interval + 1) + 1)
+    # The last step may be A's final (partial) chunk; the rhythm is exact up to it.
+    assert pattern == expected[: len(pattern)]
+    assert all("B" in s.decode_tokens for s in engine.steps[start:] if "B" in s.decoding
+               and not about_to_finish(engine.scheduler, "B"))
+    assert sum(pattern) == math.ceil(20_000 / 2048 - 1e-9)
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_align_mode_caps_are_whole_blocks(cls, depth, tiny_model, pacing_env):
+    # Hybrid model, prefix-caching align mode, 1568-token KV pages: a 512-token cap
+    # would leave every chunk short of a block boundary (0 tokens, no progress).
+    pacing_env("cap", cap_tokens=512)
+    scheduler = make(cls, depth, tiny_model, block_size=1568, hybrid_align=True,
+                     num_blocks=400)
+    assert scheduler.need_mamba_block_aligned_split
+    engine = Engine(scheduler, depth=depth)
+    engine.add(40, 120, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    start = len(engine.steps)
+    engine.add(28_600, 10, "A")
+    engine.run(lambda: "A" in engine.first_token, max_steps=200)
+    engine.drain()
+    chunks = []
+    for s in engine.steps[start:]:
+        chunks.append(s.output.num_scheduled_tokens.get("A", 0))
+        if s.chunk_end.get("A") == 28_600:
+            break
+    assert all(c > 0 for c in chunks), chunks  # never a 0-token chunk while A is pending
+    assert all(c % 1568 == 0 for c in chunks[:-1])
+    assert max(chunks) <= 1568
+    assert_paced(engine, 1568)
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_spec_decode_counts_1_plus_k(cls, depth, k, tiny_model, pacing_env):
+    pacing_env("cap", cap_tokens=256)
+    scheduler = make(cls, depth, tiny_model, num_spec_tokens=k)
+    engine = Engine(scheduler, depth=depth, spec_tokens=k)
+    engine.add(40, 300, "B1")
+    engine.add(40, 300, "B2")
+    engine.run(lambda: "B1" in engine.first_token)
+    start = len(engine.steps)
+    engine.add(10_000, 10, "A")
+    engine.run(lambda: "A" in engine.first_token)
+    engine.drain()
+    assert_paced(engine, 256, spec=k)
+    window = engine.steps[start + 3 : engine.first_token["A"]]
+    # Drafts arrive for both streams; they get 1 + k tokens and the prefill keeps its cap.
+    assert any(sum(s.decode_tokens.values()) == 2 * (1 + k) for s in window)
+    assert all(s.prefill_tokens == 256 for s in window)
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_a_alone_is_not_paced(cls, depth, tiny_model, pacing_env):
+    chunks = {}
+    for mode in ("off", "cap"):
+        pacing_env(mode, cap_tokens=256)
+        engine = Engine(make(cls, depth, tiny_model), depth=depth)
+        engine.add(28_600, 58, "A")
+        engine.run(lambda e=engine: "A" in e.finished)
+        engine.drain()
+        chunks[mode] = [s.output.num_scheduled_tokens.get("A", 0) for s in engine.steps]
+    assert chunks["cap"] == chunks["off"]
+    assert chunks["cap"][:3] == [8192, 8192, 8192]
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_off_is_vllm_unchanged(cls, depth, tiny_model, pacing_env):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    stock = AsyncScheduler if depth == 2 else Scheduler
+    traces = []
+    for klass in (stock, cls):
+        pacing_env("off")
+        engine = Engine(make(klass, depth, tiny_model, max_num_batched_tokens=2048), depth=depth)
+        engine.add(40, 100, "B")
+        engine.run(lambda e=engine: "B" in e.first_token)
+        engine.add(20_000, 20, "A")
+        engine.add(300, 20, "S")
+        engine.run(lambda e=engine: all(r in e.finished for r in ("A", "B", "S")))
+        engine.drain()
+        traces.append([dict(s.output.num_scheduled_tokens) for s in engine.steps])
+    assert traces[0] == traces[1]
+
+
+def h200_like_cost(step, scheduler) -> float:
+    """A step-time law shaped like the H200 runs: 4.9 ms decode step, ~10 ms at 128
+    prefill tokens, ~20 ms at 512, growing with the chunk's context."""
+    rows = len(step.decode_tokens)
+    tokens = step.prefill_tokens
+    attention = 0.0
+    for rid, end in step.chunk_end.items():
+        n = step.output.num_scheduled_tokens[rid]
+        attention += n * (end - n + n / 2)
+    mixed = 0.004 if tokens and rows else 0.0
+    return 0.0047 + 0.0002 * rows + mixed + 2.2e-5 * tokens + 1.2e-9 * attention
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("target_ms", [15.0, 25.0, 40.0])
+def test_adaptive_holds_the_target(cls, depth, target_ms, tiny_model, pacing_env):
+    pacing_env("adaptive", target_itl_ms=target_ms, cap_tokens=64)
+    engine = Engine(make(cls, depth, tiny_model), depth=depth, cost=h200_like_cost)
+    engine.add(40, 2000, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    start = len(engine.steps)
+    engine.add(28_600, 10, "A")
+    engine.run(lambda: "A" in engine.first_token, max_steps=3000)
+    engine.drain()
+    mixed = [d for s, d in zip(engine.steps[start:], engine.durations[start:])
+             if s.prefill_tokens and s.decoding]
+    settled = sorted(mixed[30:])
+    p95 = settled[int(0.95 * (len(settled) - 1))]
+    median = settled[len(settled) // 2]
+    target = target_ms / 1000
+    assert p95 <= target * 1.10, (p95, target)
+    assert median >= target * 0.80, (median, target)  # it uses the room it has
+    assert engine.scheduler.pacer.model.samples >= 30

@@ -1,0 +1,135 @@
+"""The pacing policy on its own: settings, the step-time model, the per-step plan."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from engine_patches.config import PacingConfig, PacingConfigError
+from engine_patches.cost_model import StepCostModel, features
+from engine_patches.pacing import Pacer
+
+
+def test_defaults_are_off():
+    config = PacingConfig.from_env({})
+    assert config.mode == "off"
+    assert "off" in config.describe()
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"PREFILL_GATE_PACING": "fast"}, "PREFILL_GATE_PACING='fast': expected one of"),
+        ({"PREFILL_GATE_PACING": "adaptive"}, "needs PREFILL_GATE_PACING_TARGET_ITL_MS"),
+        ({"PREFILL_GATE_PACING_CAP_TOKENS": "0"}, "PREFILL_GATE_PACING_CAP_TOKENS=0: expected"),
+        ({"PREFILL_GATE_PACING_CAP_TOKENS": "lots"}, "expected an integer"),
+        ({"PREFILL_GATE_PACING_TARGET_ITL_MS": "soon"}, "expected a number"),
+        ({"PREFILL_GATE_PACING_INTERVAL": "4", "PREFILL_GATE_PACING_MAX_DEFERRED": "2"},
+         "MAX_DEFERRED=2 is below PREFILL_GATE_PACING_INTERVAL=4"),
+        ({"PREFILL_GATE_PACING_GRAPH_CLAMP": "yes"}, "GRAPH_CLAMP='yes'"),
+    ],
+)
+def test_bad_settings_name_the_variable(env, message):
+    with pytest.raises(PacingConfigError, match=message.replace("(", r"\(")):
+        PacingConfig.from_env(env)
+
+
+def test_every_mode_describes_itself():
+    for env in ({"PREFILL_GATE_PACING": "cap", "PREFILL_GATE_PACING_CAP_TOKENS": "384"},
+                {"PREFILL_GATE_PACING": "cadence", "PREFILL_GATE_PACING_INTERVAL": "2"},
+                {"PREFILL_GATE_PACING": "adaptive", "PREFILL_GATE_PACING_TARGET_ITL_MS": "15"}):
+        config = PacingConfig.from_env(env)
+        assert config.mode in config.describe()
+    assert PacingConfig.from_env(
+        {"PREFILL_GATE_PACING": "adaptive", "PREFILL_GATE_PACING_TARGET_ITL_MS": "15"}
+    ).target_itl_s == pytest.approx(0.015)
+
+
+def test_model_recovers_a_known_law():
+    truth = (0.0049, 0.0002, 0.021, 0.0011)
+    model = StepCostModel(window=128)
+    rng = random.Random(7)
+    for _ in range(200):
+        rows = rng.randint(1, 8)
+        start = rng.randint(0, 30_000)
+        n = rng.randint(16, 1024)
+        x = features(rows, [(start, n)])
+        y = sum(t * f for t, f in zip(truth, x)) * rng.uniform(0.98, 1.02)
+        model.observe(x, y)
+    for got, want in zip(model.coefficients, truth):
+        assert got == pytest.approx(want, rel=0.15, abs=2e-4)
+    # Inverting it lands on the target.
+    n = model.prefill_budget(0.015, 1, 20_000)
+    predicted = model.predict(features(1, [(20_000, int(n))]))
+    assert predicted == pytest.approx(0.015, rel=0.02)
+
+
+def test_model_budget_edges():
+    model = StepCostModel()
+    assert model.prefill_budget(0.001, 1, 0) == 0.0  # even an empty step is too slow
+    for _ in range(20):  # decode-only steps: prefill cost never observed, prior only
+        model.observe(features(1, []), 0.005)
+    assert model.prefill_budget(0.020, 1, 0) > 0
+    model.observe(features(1, []), float("nan"))  # ignored
+    model.observe(features(1, []), -1.0)  # ignored
+    assert model.samples == 20
+
+
+def test_window_forgets_old_steps():
+    model = StepCostModel(window=16)
+    for _ in range(16):
+        model.observe(features(1, [(0, 512)]), 0.050)
+    for _ in range(16):
+        model.observe(features(1, [(0, 512)]), 0.020)
+    assert model.predict(features(1, [(0, 512)])) == pytest.approx(0.020, rel=0.01)
+
+
+def plan(pacer, **kw):
+    args = {"decoding": True, "prefill_pending": True, "decode_tokens": 1, "prefill_start": 0}
+    args.update(kw)
+    return pacer.plan(**args)
+
+
+def test_plan_only_acts_while_decoding_with_prefill_pending():
+    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=256))
+    assert plan(pacer, decoding=False).prefill_cap is None
+    assert plan(pacer, prefill_pending=False).prefill_cap is None
+    assert plan(pacer).prefill_cap == 256
+
+
+def test_graph_clamp_and_block_floor():
+    clamped = Pacer(PacingConfig(mode="cap", cap_tokens=512), graph_limit=512)
+    assert plan(clamped, decode_tokens=1).prefill_cap == 511
+    assert plan(clamped, decode_tokens=4).prefill_cap == 508
+    assert plan(clamped, decode_tokens=600).prefill_cap == 512  # no graph fits anyway
+    free = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_clamp=False), graph_limit=512)
+    assert plan(free).prefill_cap == 512
+    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=512), block_size=1568, graph_limit=512)
+    assert plan(aligned).prefill_cap == 1568  # never below one block
+    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=4000), block_size=1568)
+    assert plan(aligned).prefill_cap == 3136  # whole blocks
+
+
+def test_cadence_bounds_the_engines_own_throttle():
+    pacer = Pacer(PacingConfig(mode="cadence", interval=1, max_deferred=3))
+    seq = [plan(pacer, engine_throttle=True).defer for _ in range(8)]
+    assert seq == [True, True, True, False] * 2
+    pacer = Pacer(PacingConfig(mode="cadence", interval=2, max_deferred=2))
+    assert [plan(pacer).defer for _ in range(6)] == [True, True, False] * 2
+
+
+def test_adaptive_starts_from_the_cap_then_follows_the_fit():
+    pacer = Pacer(PacingConfig(mode="adaptive", cap_tokens=64, target_itl_s=0.015,
+                               min_tokens=16))
+    assert plan(pacer).prefill_cap == 64
+    for n in (64, 128, 256, 512, 64, 128, 256, 512):
+        pacer.model.observe(features(1, [(0, n)]), 0.005 + 2e-5 * n)
+    cap = plan(pacer).prefill_cap
+    assert cap == pytest.approx(500, abs=15)
+    pacer_floor = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.003, min_tokens=16))
+    for n in (64, 128, 256, 512, 64, 128, 256, 512):
+        pacer_floor.model.observe(features(1, [(0, n)]), 0.005 + 2e-5 * n)
+    assert plan(pacer_floor).prefill_cap == 16  # unreachable target: still advance
+    assert math.isfinite(pacer_floor.model.coefficients[0])
