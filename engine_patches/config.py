@@ -20,6 +20,10 @@ validated when the scheduler is built; an error names the variable and what it a
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
                                      engine process on this port; 0: off (0)
+    PREFILL_GATE_PACING_CONTROL_FILE a file of KEY=VALUE lines (these names) read over the
+                                     environment, re-read when it changes: retune pacing
+                                     without restarting vLLM (sweeps, operators). A bad
+                                     file is logged and the running settings kept. (unset)
 """
 
 from __future__ import annotations
@@ -99,6 +103,24 @@ class PacingConfig:
             f"target {self.target_itl_s * 1000:.1f} ms while a request decodes "
             f"(start {self.cap_tokens}, floor {self.min_tokens})"
         )
+
+
+def read_control_file(path: str, environ: Mapping[str, str]) -> PacingConfig:
+    """Settings from a control file's KEY=VALUE lines layered over `environ`."""
+    merged = dict(environ)
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            key, sep, value = line.partition("=")
+            key = key.strip()
+            if not sep or not key.startswith(PREFIX):
+                raise PacingConfigError(
+                    f"{path}:{number}: expected {PREFIX}*=VALUE, got {line!r}"
+                )
+            merged[key] = value.strip()
+    return PacingConfig.from_env(merged)
 
 
 def _raw(env: Mapping[str, str], name: str) -> str | None:

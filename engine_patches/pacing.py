@@ -35,13 +35,14 @@ batch queue (depth 2), it is the duration of the step scheduled one call earlier
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from engine_patches import _vllm
 from engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
-from engine_patches.config import PacingConfig
+from engine_patches.config import PacingConfig, PacingConfigError, read_control_file
 from engine_patches.cost_model import StepCostModel, features
 from engine_patches.telemetry import PacingTelemetry
 
@@ -51,6 +52,8 @@ logger = _vllm.init_logger(__name__)
 MAX_STEP_SECONDS = 2.0
 # Adaptive mode keeps its starting cap until the fit has this many steps.
 MIN_FIT_SAMPLES = 8
+# How often schedule() looks at PREFILL_GATE_PACING_CONTROL_FILE's modification time.
+CONTROL_POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class _PacingMixin:
         graph_limit = self.vllm_config.compilation_config.max_cudagraph_capture_size
         if self.vllm_config.model_config.enforce_eager:
             graph_limit = None
+        self._graph_limit = graph_limit
         self.pacer = Pacer(
             config,
             block_size=self.cache_config.block_size if align else None,
@@ -151,16 +155,47 @@ class _PacingMixin:
         self.pacing_telemetry = PacingTelemetry(config, self.pacer.model)
         self._pacing_steps: deque[_StepRecord] = deque(maxlen=4)
         self._pacing_last_call: float | None = None
+        self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
+        self._control_seen: float | None = None
+        self._control_next_poll = 0.0
+        self._log_pacing()
+
+    def _log_pacing(self) -> None:
+        config = self.pacer.config
         logger.info(
-            "prefill-gate %s%s%s",
+            "prefill-gate %s%s%s%s",
             config.describe(),
-            f"; caps in whole blocks of {self.cache_config.block_size}" if align else "",
+            f"; caps in whole blocks of {self.pacer.block_size}" if self.pacer.block_size else "",
             f"; decode tokens + cap <= {self.pacer.graph_limit} (largest CUDA graph)"
             if self.pacer.graph_limit and config.mode in ("cap", "adaptive")
             else "",
+            f"; control file {self._control_path}" if self._control_path else "",
         )
 
+    def _poll_control_file(self, now: float) -> None:
+        if now < self._control_next_poll:
+            return
+        self._control_next_poll = now + CONTROL_POLL_SECONDS
+        try:
+            mtime = os.stat(self._control_path).st_mtime_ns
+        except OSError:
+            return  # absent: keep the running settings
+        if mtime == self._control_seen:
+            return
+        self._control_seen = mtime
+        try:
+            config = read_control_file(self._control_path, os.environ)
+        except (OSError, PacingConfigError) as exc:
+            logger.error("prefill-gate pacing: control file ignored, settings kept: %s", exc)
+            return
+        self.pacer = Pacer(config, block_size=self.pacer.block_size,
+                           graph_limit=self._graph_limit, model=self.pacer.model)
+        self.pacing_telemetry.config = config
+        self._log_pacing()
+
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self._control_path is not None:
+            self._poll_control_file(self.pacing_clock())
         if self.pacer.config.mode == "off":
             return super().schedule(throttle_prefills)
         now = self.pacing_clock()

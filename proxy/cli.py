@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("overhead", help="the proxy's own added latency and relay rate")
     p.add_argument("--streams", default="1,100,500", help="concurrent streams, comma-separated")
     p.add_argument("--tokens", type=int, default=128, help="chunks per stream")
+    p.add_argument("--proxy-cpu", type=int, default=None, metavar="N",
+                   help="pin the proxy to CPU N and the upstream and load generator to the others "
+                        "(a machine with spare cores: the proxy's own rate, not the machine's)")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench_overhead)
 

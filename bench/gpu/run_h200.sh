@@ -20,9 +20,7 @@ KV_BYTES=${KV_BYTES:-10737418240}  # 10 GiB each: fixed, so concurrent starts ca
 STAGGER=${STAGGER:-12}
 mkdir -p "$OUT/res"
 RES=$(cd "$OUT/res" && pwd)
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-t0=$(date +%s)
-say() { echo "[h200 +$(( $(date +%s) - t0 ))s] $*"; }
+source bench/gpu/lib.sh
 
 # name port extra-args
 CONFIGS=(
@@ -31,49 +29,15 @@ CONFIGS=(
   "direct-maxseqs1 8003 --max-num-batched-tokens 8192 --max-num-seqs 1"
   "direct-lpt512 8004 --max-num-batched-tokens 8192 --long-prefill-token-threshold 512"
 )
-PIDS=()
-declare -A PID_OF
-
-start_server() {  # port args...
-  local port=$1; shift
-  if [ "${DRY_RUN:-0}" = 1 ]; then
-    setsid python3 -m proxy sim --port "$port" --served-model-name m "$@" &
-  else
-    setsid python3 -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name m --load-format dummy \
-      --port "$port" --max-model-len 32768 --gpu-memory-utilization "$UTIL" --kv-cache-memory-bytes "$KV_BYTES" "$@" &
-  fi
-  PIDS+=($!)
-}
-
-wait_health() {  # port timeout_s [pid]: fails at once if the server process died
-  local deadline=$(( $(date +%s) + $2 ))
-  while [ "$(date +%s)" -lt "$deadline" ]; do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    if [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null; then return 1; fi
-    sleep 2
-  done
-  return 1
-}
-
-cleanup() { for p in "${PIDS[@]}"; do kill -INT -- "-$p" 2>/dev/null; done; sleep 3;
-            for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$RES/gpu.txt" 2>/dev/null || echo "none" > "$RES/gpu.txt"
-say "gpu: $(cat "$RES/gpu.txt")"
+gpu_info
 for c in "${CONFIGS[@]}"; do
   set -- $c; name=$1; port=$2; shift 2
   say "starting $name on :$port ($*)"
-  start_server "$port" "$@" > "$RES/server-$name.log" 2>&1
-  PID_OF[$name]=${PIDS[-1]}
+  start_server "$name" "$port" "$@"
   sleep "$STAGGER"
 done
-
-bench() {  # name url
-  say "bench $1 -> $2"
-  python3 -m proxy bench overlap --base-url "$2" --model m --runs "$RUNS" --label "$1" \
-    --json "$RES/$1.json" --plot "$RES/$1.png" 2>&1 | grep -v '^\[overlap\]' | tee -a "$RES/bench.log"
-}
 
 for c in "${CONFIGS[@]}"; do
   set -- $c; name=$1; port=$2

@@ -12,14 +12,17 @@ Levels: each concurrency at a modest per-stream rate (streams tick at their own
 phases), then a ramp of the total chunk rate (100 streams) to find the highest rate
 at which the added p99 per-chunk delay stays <= 5 ms, then the same concurrency with
 every stream's chunk in one tick (as one vLLM step emits every stream's token): there
-the p99 also holds the queueing of a whole burst. Client, upstream and proxy share this machine's cores: the rates are
-what one proxy process sustains *here*, with its load generator beside it.
+the p99 also holds the queueing of a whole burst. By default client, upstream and proxy
+share the machine's cores: the rates are what one proxy process sustains *here*, with its
+load generator beside it. With ``--proxy-cpu N`` the proxy gets CPU N to itself and the
+upstream and client the other CPUs: what one proxy process sustains on one core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -172,13 +175,22 @@ def _sustained(row: dict) -> bool:
 def main(args) -> int:
     levels = [int(s) for s in str(args.streams).split(",") if s.strip()]
     rows, ramp, synced = [], [], []
-    with Service("bench-upstream", name="stamp") as up, \
-            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy") as gate:
+    proxy_cpus = others = None
+    if getattr(args, "proxy_cpu", None) is not None:
+        available = os.sched_getaffinity(0)
+        if args.proxy_cpu not in available or len(available) < 2:
+            raise SystemExit(f"--proxy-cpu {args.proxy_cpu}: not one of this process's CPUs "
+                             f"{sorted(available)}, or no CPU left for the others")
+        proxy_cpus, others = {args.proxy_cpu}, available - {args.proxy_cpu}
+        os.sched_setaffinity(0, others)
+    with Service("bench-upstream", name="stamp", cpus=others) as up, \
+            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy",
+                    cpus=proxy_cpus) as gate:
         for streams in levels:
             interval = max(0.01, streams / 5000)  # at most ~5k chunks/s for the concurrency levels
             print(f"[overhead] {streams} streams at {1 / interval:.0f} chunks/s each", file=sys.stderr)
             rows.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, interval)))
-        for rate in (2000, 4000, 6000, 8000, 10000, 12000, 15000, 20000):
+        for rate in (2000, 4000, 6000, 8000, 10000, 12000, 15000, 20000, 25000, 30000):
             print(f"[overhead] ramp: 100 streams, {rate} chunks/s in total", file=sys.stderr)
             row = asyncio.run(compare(up.url, gate.url, 100, max(args.tokens, rate // 50), 100 / rate))
             ramp.append(row)
@@ -198,7 +210,7 @@ def main(args) -> int:
     print(f"\nhighest relayed rate with added p99 per-chunk delay <= 5 ms: {best:.0f} chunks/s")
     if args.json:
         write_json(args.json, {"bench": "overhead", "levels": rows, "ramp": ramp, "synchronized": synced, "max_chunks_per_s": best,
-                               **environment()})
+                               "proxy_cpu": getattr(args, "proxy_cpu", None), **environment()})
     return 0
 
 

@@ -22,7 +22,8 @@ def free_port() -> int:
 class Service:
     """``python -m proxy ARGS --port P`` in its own process; ``url`` once /health answers."""
 
-    def __init__(self, *args: str, name: str = "service", timeout: float = 30.0, env: dict | None = None):
+    def __init__(self, *args: str, name: str = "service", timeout: float = 30.0, env: dict | None = None,
+                 cpus: set[int] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
@@ -31,6 +32,8 @@ class Service:
             [sys.executable, "-m", "proxy", *args, "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
+        if cpus:
+            os.sched_setaffinity(self.proc.pid, cpus)
         self._wait(timeout)
 
     def _wait(self, timeout: float) -> None:

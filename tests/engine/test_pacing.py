@@ -223,3 +223,34 @@ def test_adaptive_holds_the_target(cls, depth, target_ms, tiny_model, pacing_env
     assert p95 <= target * 1.10, (p95, target)
     assert median >= target * 0.80, (median, target)  # it uses the room it has
     assert engine.scheduler.pacer.model.samples >= 30
+
+
+def test_control_file_retunes_a_running_scheduler(tiny_model, pacing_env, tmp_path, monkeypatch):
+    control = tmp_path / "pacing.env"
+    monkeypatch.setenv("PREFILL_GATE_PACING_CONTROL_FILE", str(control))
+    pacing_env("off")
+    clock = [0.0]
+    scheduler = make(PacedScheduler, 1, tiny_model)
+    scheduler.pacing_clock = lambda: clock[0]
+    engine = Engine(scheduler)
+    engine.add(40, 2000, "B")
+    engine.step()
+
+    def prefill_after(text: str | None) -> int:
+        if text is not None:
+            control.write_text(text)
+            import os
+            os.utime(control, ns=(int(clock[0] * 1e9) + 1, int(clock[0] * 1e9) + 1))
+        clock[0] += 1.0
+        rid = engine.add(5_000, 2)
+        step = engine.step()
+        engine.run(lambda: rid in engine.finished)
+        return step.output.num_scheduled_tokens.get(rid, 0)
+
+    assert prefill_after(None) == 5_000  # off: vLLM's own budget
+    assert prefill_after("PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=300 # c\n") == 300
+    assert prefill_after("PREFILL_GATE_PACING_CAP_TOKENS=0\n") == 300  # bad: settings kept
+    assert prefill_after("nonsense\n") == 300
+    assert prefill_after("PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=128\n") == 128
+    control.unlink()
+    assert prefill_after(None) == 128  # a removed file keeps the running settings

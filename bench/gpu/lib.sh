@@ -1,0 +1,53 @@
+# Shared by the H200 scripts: start vLLM servers (or the simulator with DRY_RUN=1), wait
+# for health, bench the seed shape, clean up. Source it after setting OUT, RES, MODEL,
+# RUNS, UTIL, KV_BYTES.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+t0=$(date +%s)
+PIDS=()
+declare -A PID_OF
+say() { echo "[h200 +$(( $(date +%s) - t0 ))s] $*"; }
+
+start_server() {  # name port args...: vLLM, or the simulator under DRY_RUN=1
+  local name=$1 port=$2; shift 2
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    local sim_args=() skip=0
+    for a in "$@"; do  # the simulator has vLLM's batch flags, not its engine internals
+      if [ $skip = 1 ]; then skip=0; continue; fi
+      case $a in --scheduler-cls|--compilation-config) skip=1 ;; *) sim_args+=("$a") ;; esac
+    done
+    setsid python3 -m proxy sim --port "$port" --served-model-name m "${sim_args[@]}" \
+      > "$RES/server-$name.log" 2>&1 &
+  else
+    setsid python3 -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name m \
+      --load-format dummy --seed 0 --port "$port" --max-model-len 32768 \
+      --gpu-memory-utilization "$UTIL" --kv-cache-memory-bytes "$KV_BYTES" "$@" \
+      > "$RES/server-$name.log" 2>&1 &
+  fi
+  PIDS+=($!)
+  PID_OF[$name]=$!
+}
+
+wait_health() {  # port timeout_s [pid]: fails at once if the server process died
+  local deadline=$(( $(date +%s) + $2 ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+    if [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null; then return 1; fi
+    sleep 2
+  done
+  return 1
+}
+
+cleanup() { for p in "${PIDS[@]}"; do kill -INT -- "-$p" 2>/dev/null; done; sleep 3;
+            for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done; }
+
+bench() {  # label url
+  say "bench $1 -> $2"
+  python3 -m proxy bench overlap --base-url "$2" --model m --runs "$RUNS" --label "$1" \
+    --json "$RES/$1.json" --plot "$RES/$1.png" 2>&1 | grep -v '^\[overlap\]' | tee -a "$RES/bench.log"
+}
+
+gpu_info() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$RES/gpu.txt" 2>/dev/null \
+    || echo "none (dry run)" > "$RES/gpu.txt"
+  say "gpu: $(cat "$RES/gpu.txt")"
+}
