@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("engine_patches")
+# Under "vllm." so that vLLM's logging configuration (handler, format, level) covers it.
+LOGGER = "vllm.prefill_gate"
+logger = logging.getLogger(LOGGER)
 
 
 def register() -> None:

@@ -46,12 +46,19 @@ from engine_patches.config import PacingConfig, PacingConfigError, read_control_
 from engine_patches.cost_model import StepCostModel, features
 from engine_patches.telemetry import PacingTelemetry
 
-logger = _vllm.init_logger(__name__)
+logger = _vllm.init_logger("vllm.prefill_gate.pacing")
 
 # Intervals longer than this include idle time or a stall, not a step.
 MAX_STEP_SECONDS = 2.0
 # Adaptive mode keeps its starting cap until the fit has this many steps.
 MIN_FIT_SAMPLES = 8
+# Adaptive mode's feedback on top of the model: it aims the predicted step time at
+# target * aim and moves `aim` so that about AIM_QUANTILE of the measured mixed steps
+# exceed the target (a stochastic quantile tracker), which absorbs what the model misses:
+# its bias, the step-time jitter, and tokens the linear model cannot see.
+AIM_QUANTILE = 0.05
+AIM_RATE = 0.04
+AIM_BOUNDS = (0.5, 1.25)
 # How often schedule() looks at PREFILL_GATE_PACING_CONTROL_FILE's modification time.
 CONTROL_POLL_SECONDS = 0.2
 
@@ -87,6 +94,7 @@ class Pacer:
         self.graph_limit = graph_limit if config.graph_clamp else None
         self.model = model or StepCostModel()
         self.deferred_in_row = 0
+        self.aim = 0.95
 
     def plan(
         self,
@@ -119,10 +127,21 @@ class Pacer:
         if self.model.samples < MIN_FIT_SAMPLES:
             return self.config.cap_tokens
         assert self.config.target_itl_s is not None
-        n = self.model.prefill_budget(self.config.target_itl_s, decode_rows, prefill_start)
+        target = self.config.target_itl_s * self.aim
+        n = self.model.prefill_budget(target, decode_rows, prefill_start)
         if math.isinf(n):
             return self.config.cap_tokens
         return max(self.config.min_tokens, int(n))
+
+    def feedback(self, seconds: float) -> None:
+        """A measured step that ran prefill next to decodes (adaptive mode)."""
+        if self.config.mode != "adaptive" or self.config.target_itl_s is None:
+            return
+        if seconds > self.config.target_itl_s:
+            self.aim *= 1 - AIM_RATE
+        else:
+            self.aim *= 1 + AIM_RATE * AIM_QUANTILE / (1 - AIM_QUANTILE)
+        self.aim = min(max(self.aim, AIM_BOUNDS[0]), AIM_BOUNDS[1])
 
     def _fit_cap(self, cap: int, decode_tokens: int) -> int:
         if self.graph_limit is not None and decode_tokens < self.graph_limit:
@@ -188,8 +207,11 @@ class _PacingMixin:
         except (OSError, PacingConfigError) as exc:
             logger.error("prefill-gate pacing: control file ignored, settings kept: %s", exc)
             return
+        aim = self.pacer.aim
         self.pacer = Pacer(config, block_size=self.pacer.block_size,
                            graph_limit=self._graph_limit, model=self.pacer.model)
+        if config.target_itl_s == getattr(self.pacing_telemetry.config, "target_itl_s", None):
+            self.pacer.aim = aim
         self.pacing_telemetry.config = config
         self._log_pacing()
 
@@ -282,7 +304,9 @@ class _PacingMixin:
         seconds = now - last
         if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds)
-            self.pacing_telemetry.fitted(seconds)
+            if measured.x[1] > 0 and measured.x[2] > 0:  # decodes next to prefill
+                self.pacer.feedback(seconds)
+            self.pacing_telemetry.fitted(seconds, self.pacer.aim)
 
 
 class PacedScheduler(_PacingMixin, Scheduler):

@@ -22,7 +22,7 @@ from prometheus_client import (
 from engine_patches.config import PacingConfig
 from engine_patches.cost_model import StepCostModel
 
-logger = logging.getLogger("engine_patches.pacing")
+logger = logging.getLogger("vllm.prefill_gate.pacing")  # vLLM's handlers cover "vllm.*"
 
 STEP_KINDS = ("decode_only", "mixed", "prefill_only", "deferred")
 TERMS = ("intercept_seconds", "per_decode_row_seconds", "per_1k_prefill_tokens_seconds",
@@ -54,6 +54,11 @@ class PacingMetrics:
             buckets=(0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=registry,
         )
+        self.aim = Gauge(
+            "prefill_gate_pacing_aim_ratio",
+            "Adaptive mode: the fraction of the target the model's prediction is aimed at",
+            registry=registry,
+        )
         self.coefficient = Gauge(
             "prefill_gate_pacing_model_coefficient",
             "Fitted step-time model coefficients (adaptive mode)",
@@ -76,6 +81,7 @@ class PacingTelemetry:
         self.counts = dict.fromkeys(STEP_KINDS, 0)
         self.prefill_tokens_with_decodes = 0
         self.last_cap: int | None = None
+        self.aim = 1.0
         self._next_log = clock() + config.log_interval_s
         self.metrics: PacingMetrics | None = None
         if registry is not None or config.metrics_port:
@@ -114,9 +120,11 @@ class PacingTelemetry:
             self._next_log = self.clock() + self.config.log_interval_s
             logger.info("prefill-gate pacing %s", json.dumps(self.summary(), sort_keys=True))
 
-    def fitted(self, seconds: float) -> None:
+    def fitted(self, seconds: float, aim: float = 1.0) -> None:
+        self.aim = aim
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
+            self.metrics.aim.set(aim)
             for term, value in zip(TERMS, self.model.coefficients):
                 self.metrics.coefficient.labels(term).set(value)
 
@@ -130,6 +138,7 @@ class PacingTelemetry:
         if self.config.mode == "adaptive":
             out["model"] = {
                 "samples": self.model.samples,
+                "aim": round(self.aim, 4),
                 **{t: round(c, 7) for t, c in zip(TERMS, self.model.coefficients)},
             }
         return out

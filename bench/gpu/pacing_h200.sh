@@ -3,7 +3,7 @@
 #
 # On the GPU machine, after the recipe's chunk-only first run:
 #   source .gpu/device_setup.sh setup && BATCH=1 bash bench/gpu/pacing_h200.sh "$OUT"
-#   (next run, same machine)              BATCH=2 bash bench/gpu/pacing_h200.sh "$OUT"
+#   (later runs)                          BATCH=2 (then 3) bash bench/gpu/pacing_h200.sh "$OUT"
 # Here, against the simulator (pacing itself is then not exercised: the flow only):
 #   DRY_RUN=1 BATCH=1 bash bench/gpu/pacing_h200.sh out/pacing-dry
 #
@@ -14,8 +14,10 @@
 #   BATCH=1: unpatched 8192; paced 8192 (off, cap 512/256/128, cadence 1, adaptive
 #            15/20/30 ms); --max-num-batched-tokens 512, 256
 #   BATCH=2: paced 8192 with full CUDA graphs for mixed steps (cudagraph_mode FULL:
-#            off, cap 256/128/64, adaptive 12/15 ms); --max-num-batched-tokens 128;
+#            off, cap 256/128/64, adaptive 12/15 ms); paced 8192 as paced-fb (adaptive 15/20/25/30 ms, with the
+#            quantile feedback added after batch 1);
 #            --long-prefill-token-threshold 511, 256, 128
+#   BATCH=3: --max-num-batched-tokens 128
 # Writes <config>.json/.png, logs, packed in OUT/pacing-<batch>.tar.gz.
 set -u
 OUT=${1:-out/pacing}
@@ -38,28 +40,27 @@ case $BATCH in
        "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS"
        "mnbt-512 8003 --max-num-batched-tokens 512"
        "mnbt-256 8004 --max-num-batched-tokens 256")
-     PACED="paced"
-     SETTINGS=("off" "cap:512" "cap:256" "cap:128" "cadence:1" "adaptive:15" "adaptive:20" "adaptive:30") ;;
+     SETTINGS_paced="off cap:512 cap:256 cap:128 cadence:1 adaptive:15 adaptive:20 adaptive:30" ;;
   2) SERVERS=(
        "paced-full 8005 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\"}"
-       "mnbt-128 8006 --max-num-batched-tokens 128"
+       "paced-fb 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS"
        "lpt-511 8007 --max-num-batched-tokens 8192 --long-prefill-token-threshold 511"
        "lpt-256 8008 --max-num-batched-tokens 8192 --long-prefill-token-threshold 256"
        "lpt-128 8009 --max-num-batched-tokens 8192 --long-prefill-token-threshold 128")
-     PACED="paced-full"
-     SETTINGS=("off" "cap:256" "cap:128" "cap:64" "adaptive:12" "adaptive:15") ;;
-  *) echo "BATCH must be 1 or 2"; exit 2 ;;
+     SETTINGS_paced_full="off cap:256 cap:128 cap:64 adaptive:12 adaptive:15"
+     SETTINGS_paced_fb="adaptive:15 adaptive:20 adaptive:25 adaptive:30" ;;
+  3) SERVERS=("mnbt-128 8006 --max-num-batched-tokens 128") ;;
+  *) echo "BATCH must be 1, 2 or 3"; exit 2 ;;
 esac
-CONTROL=$RES/control-$PACED.env
-echo "PREFILL_GATE_PACING=off" > "$CONTROL"
-export PREFILL_GATE_PACING_CONTROL_FILE=$CONTROL PREFILL_GATE_PACING_LOG_INTERVAL_S=5
+export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
 
 gpu_info
 for s in "${SERVERS[@]}"; do
   set -- $s; name=$1; port=$2; shift 2
   say "starting $name on :$port ($*)"
-  start_server "$name" "$port" "$@"
+  echo "PREFILL_GATE_PACING=off" > "$RES/control-$name.env"
+  PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-$name.env start_server "$name" "$port" "$@"
   sleep "$STAGGER"
 done
 for s in "${SERVERS[@]}"; do
@@ -69,24 +70,25 @@ for s in "${SERVERS[@]}"; do
 done
 
 late() { [ $(( $(date +%s) - t0 )) -gt "$DEADLINE" ] && say "deadline: skipping $1" ; }
-set_pacing() {  # mode[:value]
-  local mode=${1%%:*} value=${1#*:}
+set_pacing() {  # server mode[:value]
+  local control=$RES/control-$1.env mode=${2%%:*} value=${2#*:}
   case $mode in
     off) echo "PREFILL_GATE_PACING=off" ;;
     cap) printf 'PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=%s\n' "$value" ;;
     cadence) printf 'PREFILL_GATE_PACING=cadence\nPREFILL_GATE_PACING_INTERVAL=%s\n' "$value" ;;
     adaptive) printf 'PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=%s\nPREFILL_GATE_PACING_CAP_TOKENS=64\n' "$value" ;;
-  esac > "$CONTROL.tmp" && mv "$CONTROL.tmp" "$CONTROL"
+  esac > "$control.tmp" && mv "$control.tmp" "$control"
   sleep 1
 }
 
 for s in "${SERVERS[@]}"; do
   set -- $s; name=$1; port=$2
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || continue
-  if [ "$name" = "$PACED" ]; then
-    for setting in "${SETTINGS[@]}"; do
+  settings_var=SETTINGS_${name//-/_}
+  if [ -n "${!settings_var:-}" ]; then
+    for setting in ${!settings_var}; do
       late "$name $setting" && continue
-      set_pacing "$setting"
+      set_pacing "$name" "$setting"
       bench "$name-${setting/:/-}" "http://127.0.0.1:$port"
     done
   else

@@ -37,7 +37,8 @@ METHODS = {
     "paced-off": "paced server, pacing off",
     "paced-cap": "pacing cap",
     "paced-cadence": "pacing cadence",
-    "paced-adaptive": "pacing adaptive (target ms)",
+    "paced-adaptive": "pacing adaptive, model only (first version; target ms)",
+    "paced-fb-adaptive": "pacing adaptive (target ms)",
     "paced-full-off": "paced server, full graphs, pacing off",
     "paced-full-cap": "pacing cap, full CUDA graphs",
     "paced-full-adaptive": "pacing adaptive, full CUDA graphs (target ms)",
@@ -48,7 +49,7 @@ def classify(config: str) -> tuple[str, int | None]:
     m = re.fullmatch(r"(stock|mnbt|lpt)-(\d+)", config)
     if m:
         return m.group(1), int(m.group(2))
-    m = re.fullmatch(r"(paced(?:-full)?)-(off|cap|cadence|adaptive)(?:-(\d+))?", config)
+    m = re.fullmatch(r"(paced(?:-full|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?", config)
     if m:
         return f"{m.group(1)}-{m.group(2)}", int(m.group(3)) if m.group(3) else None
     return config, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -190,67 +191,44 @@ def test_off_is_vllm_unchanged(cls, depth, tiny_model, pacing_env):
     assert traces[0] == traces[1]
 
 
-def h200_like_cost(step, scheduler) -> float:
-    """A step-time law shaped like the H200 runs: 4.9 ms decode step, ~10 ms at 128
-    prefill tokens, ~20 ms at 512, growing with the chunk's context."""
-    rows = len(step.decode_tokens)
-    tokens = step.prefill_tokens
-    attention = 0.0
-    for rid, end in step.chunk_end.items():
-        n = step.output.num_scheduled_tokens[rid]
-        attention += n * (end - n + n / 2)
-    mixed = 0.004 if tokens and rows else 0.0
-    return 0.0047 + 0.0002 * rows + mixed + 2.2e-5 * tokens + 1.2e-9 * attention
+def h200_like_cost(seed: int = 0, bias: float = 1.0, jitter: float = 0.0):
+    """A step-time law shaped like the H200 runs (4.9 ms decode step, ~10 ms at 128
+    prefill tokens, ~20 ms at 512, growing with the chunk's context), times a bias the
+    fitted model does not know about, with uniform jitter of +-`jitter`."""
+    rng = random.Random(seed)
+
+    def cost(step, scheduler) -> float:
+        rows = len(step.decode_tokens)
+        tokens = step.prefill_tokens
+        attention = 0.0
+        for rid, end in step.chunk_end.items():
+            n = step.output.num_scheduled_tokens[rid]
+            attention += n * (end - n + n / 2)
+        mixed = 0.004 if tokens and rows else 0.0
+        t = 0.0047 + 0.0002 * rows + mixed + 2.2e-5 * tokens + 1.2e-9 * attention
+        return t * bias * (1 + rng.uniform(-jitter, jitter))
+
+    return cost
 
 
 @pytest.mark.parametrize("cls,depth", CLASSES)
 @pytest.mark.parametrize("target_ms", [15.0, 25.0, 40.0])
-def test_adaptive_holds_the_target(cls, depth, target_ms, tiny_model, pacing_env):
+@pytest.mark.parametrize("bias,jitter", [(1.0, 0.0), (1.15, 0.20)])
+def test_adaptive_holds_the_target(cls, depth, target_ms, bias, jitter, tiny_model, pacing_env):
     pacing_env("adaptive", target_itl_ms=target_ms, cap_tokens=64)
-    engine = Engine(make(cls, depth, tiny_model), depth=depth, cost=h200_like_cost)
-    engine.add(40, 2000, "B")
+    engine = Engine(make(cls, depth, tiny_model), depth=depth,
+                    cost=h200_like_cost(seed=int(target_ms), bias=bias, jitter=jitter))
+    engine.add(40, 5000, "B")
     engine.run(lambda: "B" in engine.first_token)
-    start = len(engine.steps)
-    engine.add(28_600, 10, "A")
-    engine.run(lambda: "A" in engine.first_token, max_steps=3000)
+    for turn in range(3):  # three long prompts in a row, as in the H200 sweep's runs
+        engine.add(28_600, 10, f"A{turn}")
+        engine.run(lambda t=turn: f"A{t}" in engine.first_token, max_steps=3000)
     engine.drain()
-    mixed = [d for s, d in zip(engine.steps[start:], engine.durations[start:])
-             if s.prefill_tokens and s.decoding]
-    settled = sorted(mixed[30:])
-    p95 = settled[int(0.95 * (len(settled) - 1))]
+    mixed = [d for s, d in zip(engine.steps, engine.durations) if s.prefill_tokens and s.decoding]
+    settled = sorted(mixed[len(mixed) // 3 :])  # after the first long prompt
+    p99 = settled[int(0.99 * (len(settled) - 1))]
     median = settled[len(settled) // 2]
     target = target_ms / 1000
-    assert p95 <= target * 1.10, (p95, target)
+    assert abs(p99 / target - 1) <= 0.10, (p99, target)
     assert median >= target * 0.80, (median, target)  # it uses the room it has
     assert engine.scheduler.pacer.model.samples >= 30
-
-
-def test_control_file_retunes_a_running_scheduler(tiny_model, pacing_env, tmp_path, monkeypatch):
-    control = tmp_path / "pacing.env"
-    monkeypatch.setenv("PREFILL_GATE_PACING_CONTROL_FILE", str(control))
-    pacing_env("off")
-    clock = [0.0]
-    scheduler = make(PacedScheduler, 1, tiny_model)
-    scheduler.pacing_clock = lambda: clock[0]
-    engine = Engine(scheduler)
-    engine.add(40, 2000, "B")
-    engine.step()
-
-    def prefill_after(text: str | None) -> int:
-        if text is not None:
-            control.write_text(text)
-            import os
-            os.utime(control, ns=(int(clock[0] * 1e9) + 1, int(clock[0] * 1e9) + 1))
-        clock[0] += 1.0
-        rid = engine.add(5_000, 2)
-        step = engine.step()
-        engine.run(lambda: rid in engine.finished)
-        return step.output.num_scheduled_tokens.get(rid, 0)
-
-    assert prefill_after(None) == 5_000  # off: vLLM's own budget
-    assert prefill_after("PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=300 # c\n") == 300
-    assert prefill_after("PREFILL_GATE_PACING_CAP_TOKENS=0\n") == 300  # bad: settings kept
-    assert prefill_after("nonsense\n") == 300
-    assert prefill_after("PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=128\n") == 128
-    control.unlink()
-    assert prefill_after(None) == 128  # a removed file keeps the running settings

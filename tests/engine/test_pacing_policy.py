@@ -126,6 +126,7 @@ def test_adaptive_starts_from_the_cap_then_follows_the_fit():
     assert plan(pacer).prefill_cap == 64
     for n in (64, 128, 256, 512, 64, 128, 256, 512):
         pacer.model.observe(features(1, [(0, n)]), 0.005 + 2e-5 * n)
+    pacer.aim = 1.0
     cap = plan(pacer).prefill_cap
     assert cap == pytest.approx(500, abs=15)
     pacer_floor = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.003, min_tokens=16))
@@ -133,3 +134,21 @@ def test_adaptive_starts_from_the_cap_then_follows_the_fit():
         pacer_floor.model.observe(features(1, [(0, n)]), 0.005 + 2e-5 * n)
     assert plan(pacer_floor).prefill_cap == 16  # unreachable target: still advance
     assert math.isfinite(pacer_floor.model.coefficients[0])
+
+
+def test_feedback_tracks_the_exceedance_quantile():
+    # Steps come out 20% slower than predicted, with jitter: the aim settles where
+    # about 5% of them exceed the target.
+    rng = random.Random(3)
+    pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.020))
+    over = []
+    for i in range(4000):
+        measured = 0.020 * pacer.aim * 1.2 * rng.uniform(0.95, 1.05)
+        pacer.feedback(measured)
+        if i >= 2000:
+            over.append(measured > 0.020)
+    assert 0.02 <= sum(over) / len(over) <= 0.09
+    assert 0.75 <= pacer.aim <= 0.85
+    cap_pacer = Pacer(PacingConfig(mode="cap", cap_tokens=256))
+    cap_pacer.feedback(1.0)  # only adaptive mode listens
+    assert cap_pacer.aim == 0.95

@@ -23,7 +23,7 @@ def test_entry_point_is_declared():
 def test_register_validates_and_logs(monkeypatch, caplog):
     monkeypatch.setenv("PREFILL_GATE_PACING", "cap")
     monkeypatch.setenv("PREFILL_GATE_PACING_CAP_TOKENS", "384")
-    with caplog.at_level(logging.INFO, logger="engine_patches"):
+    with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
     assert "at most 384 prefill tokens" in caplog.text
     monkeypatch.setenv("PREFILL_GATE_PACING", "sometimes")
@@ -72,7 +72,7 @@ def test_telemetry_logs_a_summary_on_its_interval(caplog):
     now = [0.0]
     config = PacingConfig(mode="adaptive", target_itl_s=0.015, log_interval_s=10)
     telemetry = PacingTelemetry(config, StepCostModel(), clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="engine_patches.pacing"):
+    with caplog.at_level(logging.INFO, logger="vllm.prefill_gate.pacing"):
         telemetry.step(decode_rows=1, prefill_tokens=64, plan_cap=64, deferred=False)
         assert "prefill-gate pacing" not in caplog.text
         now[0] = 11.0
