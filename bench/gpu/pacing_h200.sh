@@ -18,6 +18,9 @@
 #            quantile feedback added after batch 1);
 #            --long-prefill-token-threshold 511, 256, 128
 #   BATCH=3: --max-num-batched-tokens 128
+#   BATCH=4: paced 8192, full CUDA graphs and a separate Inductor compile for steps of
+#            <= 512 tokens (compile_ranges_endpoints [512, 8192]): cap 256/128/64,
+#            adaptive 12/15 ms, off
 # Writes <config>.json/.png, logs, packed in OUT/pacing-<batch>.tar.gz.
 set -u
 OUT=${1:-out/pacing}
@@ -50,7 +53,10 @@ case $BATCH in
      SETTINGS_paced_full="off cap:256 cap:128 cap:64 adaptive:12 adaptive:15"
      SETTINGS_paced_fb="adaptive:15 adaptive:20 adaptive:25 adaptive:30" ;;
   3) SERVERS=("mnbt-128 8006 --max-num-batched-tokens 128") ;;
-  *) echo "BATCH must be 1, 2 or 3"; exit 2 ;;
+  4) SERVERS=(
+       "paced-fullcr 8010 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\",\"compile_ranges_endpoints\":[512,8192]}")
+     SETTINGS_paced_fullcr="cap:256 cap:128 cap:64 adaptive:12 adaptive:15 off" ;;
+  *) echo "BATCH must be 1, 2, 3 or 4"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT

@@ -42,6 +42,9 @@ METHODS = {
     "paced-full-off": "paced server, full graphs, pacing off",
     "paced-full-cap": "pacing cap, full CUDA graphs",
     "paced-full-adaptive": "pacing adaptive, full CUDA graphs (target ms)",
+    "paced-fullcr-off": "paced server, full graphs + small-step compile, pacing off",
+    "paced-fullcr-cap": "pacing cap, full graphs + small-step compile",
+    "paced-fullcr-adaptive": "pacing adaptive, full graphs + small-step compile (target ms)",
 }
 
 
@@ -49,7 +52,7 @@ def classify(config: str) -> tuple[str, int | None]:
     m = re.fullmatch(r"(stock|mnbt|lpt)-(\d+)", config)
     if m:
         return m.group(1), int(m.group(2))
-    m = re.fullmatch(r"(paced(?:-full|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?", config)
+    m = re.fullmatch(r"(paced(?:-full|-fullcr|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?", config)
     if m:
         return f"{m.group(1)}-{m.group(2)}", int(m.group(3)) if m.group(3) else None
     return config, None
