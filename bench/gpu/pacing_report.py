@@ -87,29 +87,46 @@ def adaptive_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+# What the plot shows (the table has every row): vLLM's knobs, and pacing as shipped.
+PLOTTED = {
+    "stock": ("vLLM unpatched (8192)", "black", "X"),
+    "mnbt": ("vLLM --max-num-batched-tokens", "tab:orange", "s"),
+    "lpt": ("vLLM --long-prefill-token-threshold", "tab:red", "D"),
+    "paced-cap": ("pacing cap", "tab:blue", "o"),
+    "paced-fb-adaptive": ("pacing adaptive (target ms)", "tab:green", "^"),
+    "paced-full-cap": ("pacing cap, full CUDA graphs", "tab:cyan", "o"),
+    "paced-full-adaptive": ("pacing adaptive, full CUDA graphs (target ms)", "tab:olive", "^"),
+}
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for method, label in METHODS.items():
-        pts = sorted((r["a_ttft_s"], r["overlap_itl_ms_p99"], r["size"]) for r in rows
-                     if r["method"] == method)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    for method, (label, color, marker) in PLOTTED.items():
+        pts = sorted((r["a_ttft_s"], r["overlap_itl_ms_p99"], r["size"], r["a_solo_ttft_s"])
+                     for r in rows if r["method"] == method)
         if not pts:
             continue
-        xs, ys, sizes = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=label)
-        for x, y, s in pts:
-            if s:
-                ax.annotate(str(s), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        xs, ys, _, solo = zip(*pts)
+        ax.plot(xs, ys, marker=marker, color=color, label=label)
+        ax2.scatter(solo, ys, marker=marker, color=color, label=label)
+        for x, y, size, _ in pts:
+            if size and method != "stock":
+                ax.annotate(str(size), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for a in (ax, ax2):
+        a.set_ylabel("B's p99 inter-token gap while A prefills (ms)")
+        a.set_yscale("log")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_xlabel("A's time to first token next to B (s)")
-    ax.set_ylabel("B's p99 inter-token gap while A prefills (ms)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.set_title("Seed shape on H200, vLLM 0.26.0: lower-left is better")
+    ax.set_title("The trade during the overlap (lower-left is better)")
     ax.legend(fontsize=7)
+    ax2.set_xlabel("A's time to first token alone on the same server (s)")
+    ax2.set_title("What A pays when nothing else runs")
+    fig.suptitle("Seed shape on an H200, vLLM 0.26.0, Qwen3-8B shape (dummy weights)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
