@@ -6,10 +6,19 @@
 #   2. vLLM 0.26.0's scheduler for the engine_patches tests: the CPU build of torch and
 #      what vLLM imports (requirements/engine-cpu.txt), then vLLM itself without its
 #      dependencies (requirements/engine-nodeps.txt: its torch pin is a CUDA build of
-#      several GB). About 80 s and 2 GB on a 2-core machine.
+#      several GB). About 80 s and 2 GB on a 2-core machine;
+#   3. Prometheus and promtool (Debian's `prometheus` package) for the deploy/ tests, when
+#      missing and apt-get can install them (~15 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q prometheus >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; } \
+      || echo "scripts/test.sh: could not install Debian's prometheus package" >&2
+  fi
+fi
 python3 -m venv .venv
 .venv/bin/pip install -q -e ".[test]" -r requirements/engine-cpu.txt
 .venv/bin/pip install -q --no-deps -r requirements/engine-nodeps.txt
-PREFILL_GATE_REQUIRE_ENGINE=1 exec .venv/bin/python -m pytest "$@"
+PREFILL_GATE_REQUIRE_ENGINE=1 PREFILL_GATE_REQUIRE_DEPLOY_TOOLS=1 exec .venv/bin/python -m pytest "$@"

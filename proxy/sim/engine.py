@@ -17,7 +17,9 @@ import asyncio
 import itertools
 import math
 import random
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -74,6 +76,8 @@ class SimRequest:
     finished: bool = False
     aborted: bool = False
     events: asyncio.Queue | None = None  # token indices (int), then None at the end
+    arrived: float = 0.0  # time.monotonic() when added; token timing for /metrics
+    last_token_at: float = 0.0
     block_hashes: list[int] = field(default_factory=list)
 
     @property
@@ -150,10 +154,14 @@ class Engine:
         self._ids = itertools.count(1)
         self._wakeup: asyncio.Event | None = None
         self._stall = 0.0
+        # Called as on_token(request, seconds since arrival or since the previous token,
+        # first) for every emitted token; the server turns it into vLLM's histograms.
+        self.on_token: Callable[[SimRequest, float, bool], None] | None = None
 
     # ------------------------------------------------------------------ intake
     def add(self, req: SimRequest) -> SimRequest:
         req.id = next(self._ids)
+        req.arrived = time.monotonic()
         if self.config.enable_prefix_caching:
             req.block_hashes = block_hashes(req.prompt, self.config.block_size)
         self.waiting.append(req)
@@ -234,6 +242,11 @@ class Engine:
         return done
 
     def _emit(self, req: SimRequest, done: list[SimRequest]) -> None:
+        if self.on_token is not None:
+            now = time.monotonic()
+            first = req.num_output == 0
+            self.on_token(req, now - (req.arrived if first else req.last_token_at), first)
+            req.last_token_at = now
         req.num_output += 1
         self.generation_tokens_total += 1
         if req.events is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..disconnect import DisconnectWatch
@@ -30,6 +30,8 @@ from .engine import Engine, SimRequest
 IM_START, IM_END = 0x110000, 0x110001  # special tokens: outside Unicode, one token each
 SPECIAL_TEXT = {IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
 DEFAULT_MAX_TOKENS = 16
+# vLLM's own bucket edges for its TTFT and inter-token histograms are finer; these suffice.
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _ALPHABET = string.ascii_letters + string.digits + " "
 
 
@@ -168,6 +170,17 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
     prompt_total = Counter("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
                            ["model_name"], registry=registry)
     gen_total = Counter("vllm:generation_tokens", "Generated tokens.", ["model_name"], registry=registry)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                     buckets=_LATENCY_BUCKETS, registry=registry)
+    itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of one request.",
+                    ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry)
+    kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", ["model_name"],
+                     registry=registry)
+    kv_capacity = engine.config.prefix_cache_blocks * engine.config.block_size
+    kv_usage.labels(**labels).set_function(
+        lambda: min(1.0, sum(r.num_computed + r.num_output for r in engine.running) / kv_capacity))
+    ttft_l, itl_l = ttft.labels(**labels), itl.labels(**labels)
+    engine.on_token = lambda req, seconds, first: (ttft_l if first else itl_l).observe(seconds)
     running.labels(**labels).set_function(lambda: len(engine.running))
     waiting.labels(**labels).set_function(lambda: len(engine.waiting))
     counted = {"prompt": 0, "gen": 0}

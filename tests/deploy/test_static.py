@@ -1,0 +1,126 @@
+"""The deployment files, checked by the tools that consume them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import ROOT, compose_binary, tool
+
+DOCKERFILES = ["deploy/proxy.Dockerfile", "deploy/vllm.Dockerfile", "deploy/vllm-sm70.Dockerfile"]
+
+
+def compose(*args: str, profiles: str | None = None, password: str | None = "pw") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "GRAFANA_"))}
+    if profiles is not None:
+        env["COMPOSE_PROFILES"] = profiles
+    if password is not None:
+        env["GRAFANA_ADMIN_PASSWORD"] = password
+    return subprocess.run([compose_binary(), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("profiles, services", [
+    (None, {"vllm", "proxy", "prometheus", "grafana"}),  # .env's default
+    ("", {"proxy", "prometheus", "grafana"}),  # proxy only, in front of UPSTREAMS
+    ("vllm,replicas", {"vllm", "vllm-2", "proxy", "prometheus", "grafana"}),
+    ("sm70", {"vllm-sm70", "proxy", "prometheus", "grafana"}),
+])
+def test_compose_config_accepts_every_profile(profiles, services):
+    result = compose("config", "--services", profiles=profiles)
+    assert result.returncode == 0, result.stderr
+    assert set(result.stdout.split()) == services
+
+
+def test_compose_resolves_settings_from_env_file():
+    result = compose("config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    proxy = config["services"]["proxy"]
+    assert proxy["environment"]["PREFILL_GATE_UPSTREAMS"] == "http://vllm:8000"
+    assert proxy["depends_on"]["vllm"]["condition"] == "service_healthy"
+    vllm = config["services"]["vllm"]
+    assert "Qwen/Qwen3-8B" in " ".join(vllm["command"])
+    assert "--scheduler-cls" in vllm["command"]
+    assert vllm["environment"]["PREFILL_GATE_PACING"] == "off"
+    for name, service in config["services"].items():
+        image = service["image"]
+        assert not image.endswith(":latest") and ":" in image, f"{name}: unpinned image {image}"
+        if name in ("proxy", "vllm", "prometheus", "grafana"):
+            assert "healthcheck" in service or "build" in service, name
+
+
+def test_compose_requires_a_grafana_password():
+    result = compose("config", "-q", password=None)
+    assert result.returncode != 0
+    assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfiles_pass_hadolint(dockerfile):
+    result = subprocess.run([tool("hadolint"), "--failure-threshold", "warning",
+                             "--ignore", "DL3008", "--ignore", "DL3013", str(ROOT / dockerfile)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_proxy_image_runs_as_a_user_with_a_healthcheck():
+    text = (ROOT / "deploy/proxy.Dockerfile").read_text()
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert "HEALTHCHECK" in text
+    for dockerfile in DOCKERFILES:
+        assert "HEALTHCHECK" in (ROOT / dockerfile).read_text(), dockerfile
+
+
+def test_promtool_checks_config_and_rules():
+    promtool = tool("promtool")
+    for args in (["check", "config", "deploy/prometheus/prometheus.yml"],
+                 ["check", "rules", "deploy/prometheus/rules.yml"]):
+        result = subprocess.run([promtool, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_tests_cover_every_alert():
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/rules.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    tests = yaml.safe_load((ROOT / "deploy/prometheus/rules.test.yml").read_text())
+    tested = {t["alertname"] for case in tests["tests"] for t in case.get("alert_rule_test", [])}
+    assert alerts == tested
+    result = subprocess.run([tool("promtool"), "test", "rules", "deploy/prometheus/rules.test.yml"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboards_are_generated_from_their_source():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_dashboards",
+                                                  ROOT / "deploy/grafana/build_dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    uids = set()
+    for name in module.DASHBOARDS:
+        committed = (ROOT / "deploy/grafana/dashboards" / name).read_text()
+        assert committed == module.render(name), f"run deploy/grafana/build_dashboards.py ({name})"
+        board = json.loads(committed)
+        uids.add(board["uid"])
+        for panel in board["panels"]:
+            assert panel["datasource"]["uid"] == "prometheus"
+            assert panel["targets"], panel["title"]
+    assert uids == {"prefill-gate", "prefill-gate-vllm"}
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["uid"] == "prometheus"
+
+
+def test_readme_documents_the_stack():
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose up" in readme
+    for name in ("GRAFANA_ADMIN_PASSWORD", "COMPOSE_PROFILES", "UPSTREAMS"):
+        assert name in readme, name
