@@ -127,10 +127,11 @@ def test_every_dashboard_panel_has_data(tmp_path):
                     "--health-interval", "0.5", "--log-level", "warning", name="proxy") as proxy:
         config = prometheus_config(tmp_path, proxy.url.split("//")[1], sim.url.split("//")[1],
                                    f"127.0.0.1:{pacing_port}")
-        prom_proc = subprocess.Popen(
-            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+        with open(tmp_path / "prometheus.log", "w") as log:
+            prom_proc = subprocess.Popen(
+                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{prom_port}"],
+                stdout=subprocess.DEVNULL, stderr=log)
         try:
             wait_port(prom_port)
             prom = f"http://127.0.0.1:{prom_port}"
