@@ -11,6 +11,13 @@ in vLLM. *Interactive* requests are never queued. A queued ticket leaves when th
 rule lets it in, when its wait bound passes (``expire``: admit or reject), or when
 its client goes away (``finish``).
 
+Closed loop (``itl_slo`` set, for engines that pace their own steps): a large prefill
+may also start next to live decodes when the upstream's in-flight prefill tokens plus its
+own stay within that upstream's budget. The budget follows the streams: each window of
+measured gaps (``observe_itl``) whose p95 is within the SLO adds ``step_tokens``
+(additive increase); one over it halves the budget (multiplicative decrease), so a
+budget that hurt the streams falls back to holding.
+
 A ticket's life: QUEUED? -> PREFILLING -> DECODING? -> DONE. Every transition
 updates the counters of its upstream, and ``finish`` is the single exit: calling
 it twice is a bug and raises.
@@ -52,6 +59,12 @@ class Limits:
     max_queue: int = 256
     max_queue_wait: float = 30.0
     admit_on_timeout: bool = True
+    itl_slo: float | None = None  # seconds; None: no closed loop
+    budget_start_tokens: int = 32768
+    budget_step_tokens: int = 8192
+    budget_max_tokens: int = 1 << 20
+    itl_window: float = 1.0  # seconds per AIMD decision
+    itl_min_samples: int = 10  # a window decides only with at least this many gaps
 
 
 @dataclass(eq=False)
@@ -84,6 +97,10 @@ class UpstreamState:
     live_decodes: int = 0  # protected requests in their decode phase
     large_in_flight: int = 0  # large prefills still prefilling
     prefill_tokens: int = 0  # estimated prompt tokens of requests still prefilling
+    budget_tokens: int = 0  # closed loop: in-flight prefill tokens allowed next to decodes
+    itl_p95: float | None = None  # closed loop: the last decided window's p95 gap
+    gaps: list[float] = field(default_factory=list, repr=False)
+    window_start: float = 0.0
 
 
 @dataclass
@@ -100,7 +117,9 @@ class AdmissionPolicy:
     def __init__(self, upstreams: Iterable[str], limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self.clock = clock
-        self.upstreams = {name: UpstreamState(name) for name in upstreams}
+        start = limits.budget_start_tokens if limits.itl_slo is not None else 0
+        self.upstreams = {name: UpstreamState(name, budget_tokens=start, window_start=clock())
+                          for name in upstreams}
         if not self.upstreams:
             raise ValueError("the policy needs at least one upstream")
         self._queue: list[Ticket] = []  # sorted by (priority, id)
@@ -137,7 +156,7 @@ class AdmissionPolicy:
     def snapshot(self) -> Snapshot:
         return Snapshot(
             queue_depth=len(self._queue),
-            upstreams={n: UpstreamState(**vars(u)) for n, u in self.upstreams.items()},
+            upstreams={n: UpstreamState(**{**vars(u), "gaps": []}) for n, u in self.upstreams.items()},
         )
 
     # ------------------------------------------------------------ transitions
@@ -198,6 +217,46 @@ class AdmissionPolicy:
         self._admit(ticket, self._pick_least_busy())
         return Decision.ADMITTED
 
+    def observe_itl(self, upstream: str, seconds: float) -> list[Ticket]:
+        """A gap between two chunks of a protected stream on ``upstream`` (closed loop).
+        Returns tickets admitted because the budget grew."""
+        lim = self.limits
+        if lim.itl_slo is None:
+            return []
+        up = self.upstreams[upstream]
+        up.gaps.append(seconds)
+        now = self.clock()
+        if now - up.window_start < lim.itl_window or len(up.gaps) < lim.itl_min_samples:
+            return []
+        gaps = sorted(up.gaps)
+        up.itl_p95 = gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))]
+        up.gaps.clear()
+        up.window_start = now
+        if up.itl_p95 <= lim.itl_slo:
+            up.budget_tokens = min(lim.budget_max_tokens, up.budget_tokens + lim.budget_step_tokens)
+            return self._pump()
+        up.budget_tokens //= 2
+        return []
+
+    def reroute(self, ticket: Ticket, tried: set[str]) -> bool:
+        """Move an admitted ticket that its upstream failed before answering to another
+        healthy upstream not in ``tried`` (nothing reached its client yet). False: none left."""
+        if ticket.phase is not Phase.PREFILLING:
+            raise PolicyError(f"ticket {ticket.id} rerouted from {ticket.phase.value}")
+        others = [u for u in self.upstreams.values() if u.healthy and u.name not in tried]
+        if not others:
+            return False
+        old = self.upstreams[ticket.upstream]
+        old.active -= 1
+        self._end_prefill(old, ticket)
+        new = min(others, key=lambda u: (u.large_in_flight, u.live_decodes, u.active))
+        ticket.upstream = new.name
+        new.active += 1
+        new.prefill_tokens += ticket.tokens
+        if ticket.cls is RequestClass.LARGE:
+            new.large_in_flight += 1
+        return True
+
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
         self.upstreams[upstream].healthy = healthy
         return self._pump() if healthy else []
@@ -219,10 +278,13 @@ class AdmissionPolicy:
 
     def _eligible(self, ticket: Ticket | None = None) -> UpstreamState | None:
         lim = self.limits
+        tokens = ticket.tokens if ticket is not None else 0
         ok = [
             u
             for u in self.upstreams.values()
-            if u.healthy and u.large_in_flight < lim.max_large_in_flight and u.live_decodes <= lim.max_decodes_for_large
+            if u.healthy and u.large_in_flight < lim.max_large_in_flight and (
+                u.live_decodes <= lim.max_decodes_for_large
+                or (lim.itl_slo is not None and u.prefill_tokens + tokens <= u.budget_tokens))
         ]
         if not ok:
             return None

@@ -96,6 +96,9 @@ def build_state(
         max_queue=settings.max_queue,
         max_queue_wait=settings.max_queue_wait,
         admit_on_timeout=settings.on_queue_timeout == "admit",
+        itl_slo=settings.itl_slo_ms / 1000 if settings.itl_slo_ms else None,
+        budget_start_tokens=settings.closed_loop_start_tokens,
+        budget_step_tokens=settings.closed_loop_step_tokens,
     )
     policy = AdmissionPolicy(settings.upstreams, limits)
     client = UpstreamClient(

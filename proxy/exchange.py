@@ -8,6 +8,8 @@ three run in the route handler and answer 4xx directly; the rest run inside the
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ import httpx
 
 from .admission import RequestClass, Ticket
 from .assemble import Assembler, convertible
-from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError
+from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
 from .estimate import Estimate, shape_of
 from .prefix_memory import prefix_hashes
 from .relay import (
@@ -110,6 +112,10 @@ def priority_of(body: dict, header: str | None) -> int:
 
 
 # ------------------------------------------------------------------------ gated
+# Upstream answers that mean "not now, not here": another upstream may take the request.
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
 @dataclass
 class GatedRequest:
     endpoint: str  # "chat" | "completions"
@@ -175,15 +181,83 @@ class GatedExchange(Exchange):
 
     async def run(self, send) -> None:
         st, req = self.state, self.req
-        async with st.gate.admission(req.ticket) as lease:
-            self.lease = lease
-            async with st.client.stream(lease.upstream, "POST", req.path, req.headers, req.content) as resp:
-                if resp.status_code == 200 and req.assemble:
-                    await self._relay_assembled(send, resp, lease.upstream)
-                elif resp.status_code == 200 and req.streaming:
-                    await self._relay_stream(send, resp, lease.upstream)
-                else:
-                    await self._relay_whole(send, resp, lease.upstream)
+        admitted = asyncio.Event()
+        keepalive = None
+        if req.streaming and st.settings.sse_keepalive > 0 and req.ticket.cls is RequestClass.LARGE:
+            keepalive = asyncio.create_task(self._keepalive(send, admitted, st.settings.sse_keepalive))
+        try:
+            async with st.gate.admission(req.ticket) as lease:
+                self.lease = lease
+                if keepalive is not None:
+                    admitted.set()
+                    await keepalive  # ends after at most the comment it is writing
+                await self._send_upstream(send, lease)
+        finally:
+            if keepalive is not None and not keepalive.done():
+                keepalive.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keepalive
+
+    async def _send_upstream(self, send, lease: Lease) -> None:
+        """Relay from the lease's upstream; when it fails before answering (cannot connect,
+        or 502/503/504) and another healthy upstream is left, go there instead: nothing of
+        this request reached the client or the engine yet."""
+        st, req = self.state, self.req
+        tried: set[str] = set()
+        while True:
+            upstream = lease.upstream
+            tried.add(upstream)
+            try:
+                async with st.client.stream(upstream, "POST", req.path, req.headers, req.content) as resp:
+                    if resp.status_code in RETRY_STATUSES and lease.reroute(tried):
+                        st.metrics.retries.labels(upstream).inc()
+                        continue
+                    if resp.status_code == 200 and req.assemble:
+                        await self._relay_assembled(send, resp, upstream)
+                    elif resp.status_code == 200 and req.streaming:
+                        await self._relay_stream(send, resp, upstream)
+                    elif self.started:  # keep-alives went out: the status line is spent
+                        await self._relay_error_event(send, resp, upstream)
+                    else:
+                        await self._relay_whole(send, resp, upstream)
+                return
+            except UpstreamUnavailable:
+                if not lease.reroute(tried, down=True):
+                    raise
+                st.metrics.retries.labels(upstream).inc()
+
+    async def _keepalive(self, send, admitted: asyncio.Event, every: float) -> None:
+        """While held: an SSE comment every ``every`` seconds with the queue position and
+        the time left until the wait bound (comments are ignored by SSE clients)."""
+        gate, ticket = self.state.gate, self.req.ticket
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(admitted.wait(), every)
+            waiting = gate.waiting(ticket)
+            if admitted.is_set() or waiting is None:
+                return
+            if not self.started:
+                await self.start(send, 200, [(b"content-type", b"text/event-stream"),
+                                             (b"cache-control", b"no-cache")])
+            position, left = waiting
+            await send_body(send, b": prefill-gate queued position=%d max_wait_s=%.1f\n\n"
+                            % (position + 1, left), True)
+
+    async def _relay_error_event(self, send, resp: httpx.Response, upstream: str) -> None:
+        """An upstream error answer after keep-alives spent the status line: its JSON body
+        unchanged as one SSE event (a non-JSON body wrapped in an OpenAI error)."""
+        with mapped_errors(upstream):
+            body = await resp.aread()
+        self.outcome.kind = "upstream_http_error"
+        self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
+        try:
+            json.loads(body)
+            # One line (an SSE data field cannot hold newlines; in JSON they are only whitespace).
+            data = body.strip().replace(b"\r", b" ").replace(b"\n", b" ")
+        except ValueError:
+            data = json.dumps({"error": {"message": body.decode(errors="replace")[:2000], "type": "upstream_error",
+                                         "param": None, "code": resp.status_code}}).encode()
+        await self.end(send, b"data: " + data + b"\n\n" + DONE_EVENT)
 
     async def _relay_whole(self, send, resp: httpx.Response, upstream: str) -> None:
         with mapped_errors(upstream):
@@ -248,6 +322,7 @@ class GatedExchange(Exchange):
 
     def _token_gap(self, seconds: float) -> None:
         self._itl[self.lease.large_prefill_in_flight()].observe(seconds)
+        self.lease.token_gap(seconds)
 
     def finished(self, outcome: Outcome) -> None:
         st, req = self.state, self.req

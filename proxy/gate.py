@@ -34,6 +34,21 @@ class Lease:
         if self.ticket.phase is Phase.PREFILLING:
             self._gate._wake(self._gate.policy.start_decoding(self.ticket))
 
+    def reroute(self, tried: set[str], down: bool = False) -> bool:
+        """Our upstream failed before answering (``down``: could not even connect, so mark
+        it unhealthy until its health check passes): move to another. False: none left."""
+        gate = self._gate
+        if down:
+            gate.set_health(self.ticket.upstream, False)
+        moved = gate.policy.reroute(self.ticket, tried)
+        gate._sync()
+        return moved
+
+    def token_gap(self, seconds: float) -> None:
+        """A gap between two content chunks of this stream (feeds the closed loop)."""
+        if self.ticket.protected and self._gate.policy.limits.itl_slo is not None:
+            self._gate._wake(self._gate.policy.observe_itl(self.ticket.upstream, seconds))
+
     def large_prefill_in_flight(self) -> bool:
         return self._gate.policy.large_in_flight(self.ticket.upstream)
 
@@ -46,6 +61,12 @@ class Gate:
         self.policy = policy
         self.metrics = metrics
         self._waiters: dict[int, asyncio.Future] = {}
+
+    def waiting(self, ticket: Ticket) -> tuple[int, float] | None:
+        """(place in the queue, seconds until its wait bound) while queued; else None."""
+        if ticket.phase is not Phase.QUEUED:
+            return None
+        return self.policy.position(ticket), max(0.0, ticket.deadline - self.policy.clock())
 
     @contextlib.asynccontextmanager
     async def admission(self, ticket: Ticket) -> AsyncIterator[Lease]:
@@ -120,3 +141,4 @@ class Gate:
             m.live_decodes.labels(name).set(u.live_decodes)
             m.large_in_flight.labels(name).set(u.large_in_flight)
             m.prefill_tokens.labels(name).set(u.prefill_tokens)
+            m.budget_tokens.labels(name).set(u.budget_tokens)

@@ -42,6 +42,12 @@ class Metrics:
                                      ["upstream"], registry=r)
         self.prefill_tokens = Gauge(p + "inflight_prefill_tokens", "Estimated prompt tokens still prefilling.",
                                     ["upstream"], registry=r)
+        self.budget_tokens = Gauge(p + "closed_loop_budget_tokens",
+                                   "Closed loop: in-flight prefill tokens allowed next to live decodes.",
+                                   ["upstream"], registry=r)
+        self.retries = Counter(p + "retries_total",
+                               "Requests moved to another upstream after theirs failed before answering.",
+                               ["upstream"], registry=r)
         self.upstream_up = Gauge(p + "upstream_up", "1 when the upstream's last health check passed.",
                                  ["upstream"], registry=r)
         self.estimated_tokens = Histogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
@@ -72,7 +78,9 @@ class Metrics:
         for d in ADMISSIONS:
             self.queue_wait.labels(d)
         for u in upstreams:
-            for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up):
+            for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up,
+                      self.budget_tokens):
                 g.labels(u)
+            self.retries.labels(u)
             for k in ERROR_KINDS:
                 self.upstream_errors.labels(u, k)

@@ -179,6 +179,10 @@ class Exchange(Response):
         pass
 
     async def start(self, send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the status line and headers; once only (after SSE keep-alives, the
+        upstream's own headers are not sent)."""
+        if self.started:
+            return
         self.started = True
         await send_start(send, status, headers)
 

@@ -52,6 +52,23 @@ class Settings(BaseModel):
     max_decodes_for_large: int = Field(
         0, ge=0, description="A large prefill is admitted only while at most this many protected decodes are live."
     )
+    itl_slo_ms: float = Field(
+        0.0, ge=0,
+        description="Closed loop (0: off): also admit large prefills next to live decodes while the "
+        "measured p95 gap of protected streams on that upstream stays within this many ms (for "
+        "engines running step pacing); AIMD on the in-flight prefill-token budget.",
+    )
+    closed_loop_start_tokens: int = Field(
+        32768, ge=0, description="Closed loop: each upstream's starting in-flight prefill-token budget."
+    )
+    closed_loop_step_tokens: int = Field(
+        8192, ge=1, description="Closed loop: budget added per 1 s window whose p95 gap met the SLO."
+    )
+    sse_keepalive: float = Field(
+        0.0, ge=0,
+        description="Seconds between SSE comment lines (queue position, estimated wait) sent to a "
+        "held streaming request (0: none).",
+    )
     protect_non_streaming: bool = Field(
         False,
         description="Count non-streaming requests as protected decodes (the proxy then streams "

@@ -218,3 +218,93 @@ def test_prefill_token_gauge_follows_phases():
     assert p.upstreams["u1"].prefill_tokens == 28000
     p.start_decoding(a)
     assert p.upstreams["u1"].prefill_tokens == 0
+
+
+# ------------------------------------------------------------- closed loop (AIMD)
+def feed(p, clock, upstream, gap, seconds=1.0, n=16):
+    """n gaps of `gap` s spread over `seconds` of the fake clock; returns admitted tickets."""
+    admitted = []
+    for _ in range(n):
+        clock.t += seconds / n
+        admitted += p.observe_itl(upstream, gap)
+    return admitted
+
+
+def test_closed_loop_is_off_by_default():
+    p, clock = policy()
+    assert p.upstreams["u1"].budget_tokens == 0
+    assert feed(p, clock, "u1", 0.005) == []
+    assert p.upstreams["u1"].itl_p95 is None
+
+
+def test_closed_loop_admits_next_to_decodes_within_the_budget():
+    p, clock = policy(itl_slo=0.020, budget_start_tokens=32768, budget_step_tokens=8192)
+    b = decoding(p, small())
+    a = large(tokens=28600)
+    assert p.submit(a) is Decision.ADMITTED  # 28,600 <= 32,768: next to the live decode
+    a2 = large(tokens=28600)
+    assert p.submit(a2) is Decision.QUEUED  # max_large_in_flight = 1 still holds
+    p.start_decoding(a)
+    assert a2.phase is Phase.PREFILLING  # A's prefill ended: budget and slot free again
+    p.finish(b)
+
+
+def test_closed_loop_aimd_grows_on_good_windows_and_halves_on_bad_ones():
+    p, clock = policy(itl_slo=0.020, budget_start_tokens=16384, budget_step_tokens=8192)
+    decoding(p, small())
+    a = large(tokens=28600)
+    assert p.submit(a) is Decision.QUEUED  # 28,600 > 16,384: held
+    assert feed(p, clock, "u1", 0.010) == []  # one good window: 24,576
+    assert p.upstreams["u1"].budget_tokens == 24576
+    assert feed(p, clock, "u1", 0.010) == [a]  # 32,768: A fits, admitted by the loop
+    assert p.upstreams["u1"].itl_p95 == pytest.approx(0.010)
+    feed(p, clock, "u1", 0.050)  # the streams suffer: halve
+    assert p.upstreams["u1"].budget_tokens == 16384
+    assert p.upstreams["u1"].itl_p95 == pytest.approx(0.050)
+
+
+def test_closed_loop_needs_enough_gaps_and_a_whole_window():
+    p, clock = policy(itl_slo=0.020, budget_start_tokens=0, budget_step_tokens=8192,
+                      itl_min_samples=10, itl_window=1.0)
+    feed(p, clock, "u1", 0.010, seconds=2.0, n=5)  # too few gaps
+    assert p.upstreams["u1"].budget_tokens == 0
+    feed(p, clock, "u1", 0.010, seconds=0.5, n=8)  # 13 gaps, a window complete
+    assert p.upstreams["u1"].budget_tokens == 8192
+    feed(p, clock, "u1", 0.010, seconds=0.5, n=32)  # half a window: no decision yet
+    assert p.upstreams["u1"].budget_tokens == 8192
+
+
+def test_p95_ignores_a_rare_stall_but_not_a_frequent_one():
+    p, clock = policy(itl_slo=0.020, budget_start_tokens=8192, budget_step_tokens=8192)
+    for i in range(32):
+        clock.t += 1 / 32
+        p.observe_itl("u1", 0.300 if i == 7 else 0.010)  # 1 of 32: under 5%
+    assert p.upstreams["u1"].budget_tokens == 16384
+    for i in range(32):
+        clock.t += 1 / 32
+        p.observe_itl("u1", 0.300 if i % 8 == 0 else 0.010)  # 12.5%
+    assert p.upstreams["u1"].budget_tokens == 8192
+
+
+# ---------------------------------------------------------------- reroute
+def test_reroute_moves_counters_to_another_healthy_upstream():
+    p, _ = policy(("u1", "u2", "u3"))
+    a = large()
+    p.submit(a)
+    first = a.upstream
+    p.set_health("u3", False)
+    assert p.reroute(a, {first})
+    assert a.upstream not in (first, "u3")
+    assert p.upstreams[first].active == 0 and p.upstreams[first].large_in_flight == 0
+    assert p.upstreams[a.upstream].large_in_flight == 1
+    assert p.upstreams[a.upstream].prefill_tokens == a.tokens
+    assert not p.reroute(a, {"u1", "u2"})  # none left (u3 is down)
+    p.finish(a)
+    assert all(u.active == 0 and u.prefill_tokens == 0 for u in p.upstreams.values())
+
+
+def test_reroute_only_while_prefilling():
+    p, _ = policy(("u1", "u2"))
+    t = decoding(p, small())
+    with pytest.raises(PolicyError):
+        p.reroute(t, {t.upstream})
