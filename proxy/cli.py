@@ -97,7 +97,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from .sim.server import create_sim_app
 
     overrides = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                                                "block_size") if getattr(args, k) is not None}
+                                                "block_size", "pacing_cap") if getattr(args, k) is not None}
     if args.no_prefix_caching:
         overrides["enable_prefix_caching"] = False
     cost = {f.name: getattr(args, "cost_" + f.name) for f in _cost_fields() if getattr(args, "cost_" + f.name) is not None}
@@ -142,6 +142,12 @@ def cmd_bench_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from .bench.agent import main as agent_main
+
+    return agent_main(args)
+
+
 def cmd_bench_overhead(args: argparse.Namespace) -> int:
     from .bench.overhead import main as overhead_main
 
@@ -178,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--long-prefill-token-threshold", type=int)
+    p.add_argument("--pacing-cap", type=int, help="act like engine_patches' cap mode: at most N prefill "
+                                                  "tokens per step while a request decodes")
     p.add_argument("--block-size", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")
@@ -202,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot")
     p.set_defaults(func=cmd_bench_overlap)
 
+    p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine")
+    p.add_argument("--preset", default="h200-qwen3-8b")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--pacing-cap", type=int, default=256, help="the paced engine's prefill cap (scenario 3)")
+    p.add_argument("--slo-ms", type=float, default=25.0, help="the closed loop's ITL SLO (scenario 3)")
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_bench_agent)
     p = bench.add_parser("overhead", help="the proxy's own added latency and relay rate")
     p.add_argument("--streams", default="1,100,500", help="concurrent streams, comma-separated")
     p.add_argument("--tokens", type=int, default=128, help="chunks per stream")

@@ -145,3 +145,33 @@ async def test_run_loop_paces_steps_on_the_clock():
     elapsed = loop.time() - t0
     task.cancel()
     assert 10 * 0.01 <= elapsed < 10 * 0.01 + 0.2
+
+
+def test_pacing_cap_bounds_prefill_only_while_decoding():
+    from proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest
+
+    engine = Engine(EngineConfig(max_num_batched_tokens=8192, pacing_cap=256), CostModel(base=0.005))
+    b = engine.add(SimRequest([1] * 40, 50))
+    engine.apply(engine.plan())  # B's prompt: B decodes from now on
+    a = engine.add(SimRequest(list(range(20_000)), 4))
+    for _ in range(10):
+        plan = engine.plan()
+        assert plan.decodes == [b]
+        assert sum(n for _, n in plan.chunks) == 256  # paced while B decodes
+        engine.apply(plan)
+    assert a.prefilling and a.num_computed == 10 * 256
+    engine.abort(b)
+    plan = engine.plan()
+    assert not plan.decodes and plan.chunks[0][1] == 8192  # nobody decodes: the whole budget
+
+
+def test_agent_bench_helpers():
+    from proxy.bench.agent import max_gap_in, plan_conversation
+
+    plan = plan_conversation(seed=1, turns=6, short_chars=50, tool_chars=500)
+    assert [k for k, _ in plan] == ["short", "short", "tool"] * 2
+    assert all(45 <= len(t) <= 50 for k, t in plan if k == "short")
+    assert plan == plan_conversation(seed=1, turns=6, short_chars=50, tool_chars=500)
+    tokens = [0.0, 0.01, 0.02, 0.10, 0.11]
+    assert max_gap_in(tokens, 0.015, 0.105) == pytest.approx(0.08)
+    assert max_gap_in(tokens, 0.5, 0.6) != max_gap_in(tokens, 0.5, 0.6)  # nan: no gap inside

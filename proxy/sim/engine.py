@@ -60,6 +60,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # 0: no per-request cap
+    pacing_cap: int = 0  # engine_patches' cap mode: prefill tokens per step while decoding (0: off)
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int = 1 << 16
@@ -197,6 +198,8 @@ class Engine:
             if not req.prefilling and budget > 0:
                 plan.decodes.append(req)
                 budget -= 1
+        if plan.decodes and self.config.pacing_cap > 0:  # a paced engine (engine_patches, cap)
+            budget = min(budget, self.config.pacing_cap)
         for req in self.running:  # then running prompts, in arrival order
             if req.prefilling and budget > 0:
                 n = self._cap(req.prompt_len - req.num_computed, budget)
