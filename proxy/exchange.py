@@ -112,6 +112,9 @@ def priority_of(body: dict, header: str | None) -> int:
 
 
 # ------------------------------------------------------------------------ gated
+# vLLM caches whole blocks (16 tokens by default) and always computes the last prompt token:
+# a credit this much over the reported cached_tokens means the upstream evicted the prefix.
+CREDIT_SLACK_TOKENS = 256
 # Upstream answers that mean "not now, not here": another upstream may take the request.
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -222,7 +225,8 @@ class GatedExchange(Exchange):
                         await self._relay_whole(send, resp, upstream)
                 return
             except UpstreamUnavailable:
-                if not lease.reroute(tried, down=True):
+                st.mark_health(upstream, False)  # until its health check passes
+                if not lease.reroute(tried):
                     raise
                 st.metrics.retries.labels(upstream).inc()
 
@@ -335,9 +339,19 @@ class GatedExchange(Exchange):
                 m.upstream_errors.labels(upstream, kind).inc()
             if kind == "connect":
                 st.mark_health(upstream, False)
+        usage = self.usage or {}
+        prompt_tokens = usage.get("prompt_tokens")
         if self.prefilled and upstream is not None and req.prefixes:
-            st.prefix_memory.remember(upstream, req.prefixes, req.prefix_tokens)
-        prompt_tokens = (self.usage or {}).get("prompt_tokens")
+            cumulative = req.prefix_tokens
+            if isinstance(prompt_tokens, int) and cumulative and cumulative[-1] > 0:
+                # The upstream counted the whole message list exactly: scale our per-message
+                # estimates to it, so the next turn's cached credit is exact at this prefix.
+                scale = prompt_tokens / cumulative[-1]
+                cumulative = [round(t * scale) for t in cumulative]
+            st.prefix_memory.remember(upstream, req.prefixes, cumulative)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int) and req.estimate.cached - cached > CREDIT_SLACK_TOKENS:
+            m.cache_credit_misses.inc()  # we credited a prefix the upstream no longer held
         if isinstance(prompt_tokens, int):
             err = st.estimator.observe(req.model, req.estimate, prompt_tokens)
             if err is not None:

@@ -34,12 +34,9 @@ class Lease:
         if self.ticket.phase is Phase.PREFILLING:
             self._gate._wake(self._gate.policy.start_decoding(self.ticket))
 
-    def reroute(self, tried: set[str], down: bool = False) -> bool:
-        """Our upstream failed before answering (``down``: could not even connect, so mark
-        it unhealthy until its health check passes): move to another. False: none left."""
+    def reroute(self, tried: set[str]) -> bool:
+        """Our upstream failed before answering: move to another. False: none left."""
         gate = self._gate
-        if down:
-            gate.set_health(self.ticket.upstream, False)
         moved = gate.policy.reroute(self.ticket, tried)
         gate._sync()
         return moved

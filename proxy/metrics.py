@@ -55,6 +55,11 @@ class Metrics:
         self.cached_tokens = Histogram(p + "estimated_cached_prompt_tokens",
                                        "Prompt tokens credited to the upstream's prefix cache.",
                                        buckets=(0,) + _TOKENS, registry=r)
+        self.cache_credit_misses = Counter(
+            p + "cache_credit_misses_total",
+            "Requests credited with a cached prefix that the upstream reported as not cached "
+            "(usage.prompt_tokens_details.cached_tokens): evicted, so their class may be wrong.",
+            registry=r)
         self.ttft = Histogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
                               ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
         self.itl = Histogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",

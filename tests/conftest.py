@@ -76,7 +76,14 @@ class FakeVLLM:
             return response(400, {"object": "error", "message": "bad thing", "code": 400})
         if fail == "500":
             return response(500, text="engine dead")
-        usage = {"prompt_tokens": body.get("usage_prompt_tokens", 10), "completion_tokens": 2, "total_tokens": 12}
+        # Like vLLM: the prompt's tokens (here ~4 characters each, plus a template's 19 per
+        # message) unless a test dictates them.
+        text = "".join(m.get("content") or "" for m in body.get("messages", [])) or str(body.get("prompt", ""))
+        counted = len(text) // 4 + 19 * max(1, len(body.get("messages", [])))
+        usage = {"prompt_tokens": body.get("usage_prompt_tokens", counted), "completion_tokens": 2,
+                 "total_tokens": body.get("usage_prompt_tokens", counted) + 2}
+        if "usage_cached_tokens" in body:
+            usage["prompt_tokens_details"] = {"cached_tokens": body["usage_cached_tokens"]}
         if not body.get("stream"):
             if body.get("hold"):
                 self.first_token.set()

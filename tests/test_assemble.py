@@ -49,7 +49,7 @@ async def test_protected_non_streaming_request_holds_a_large_prefill(fake):
         rb, ra = await b, await asyncio.wait_for(a, 5)
         body = rb.json()
         assert rb.status_code == 200 and body["object"] == "chat.completion"
-        assert body["choices"][0]["message"]["content"] == "ab" and body["usage"]["prompt_tokens"] == 10
+        assert body["choices"][0]["message"]["content"] == "ab" and body["usage"]["prompt_tokens"] == 19
         assert ra.status_code == 200 and rb.headers["content-type"] == "application/json"
 
 

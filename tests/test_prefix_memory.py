@@ -88,3 +88,22 @@ async def test_failed_requests_are_not_remembered(fake):
         history = msgs("x" * 40_000)
         r = await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q"}], "fail": "500"})
         assert r.status_code == 500 and len(state.prefix_memory) == 0
+
+
+async def test_reported_usage_makes_the_remembered_prefix_exact_and_counts_evictions(fake):
+    async with proxy_client(fake) as (c, state):
+        history = msgs("x" * 40_000, "ok")
+        first = history + [{"role": "user", "content": "first"}]
+        r = await c.post(CHAT, json={"messages": first, "usage_prompt_tokens": 12_345})
+        assert r.status_code == 200
+        hit = state.prefix_memory.longest(prefix_hashes(first + [{"role": "user", "content": "next"}]))
+        assert hit.tokens == 12_345  # the whole list, as the upstream counted it
+        reg = state.metrics.registry
+        # The next turn is credited ~12k cached tokens; the upstream reports 0 cached: evicted.
+        turn = first + [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "next"}]
+        r = await c.post(CHAT, json={"messages": turn, "usage_cached_tokens": 0})
+        assert reg.get_sample_value("prefill_gate_cache_credit_misses_total") == 1
+        r = await c.post(CHAT, json={"messages": turn + [{"role": "assistant", "content": "ab"},
+                                                          {"role": "user", "content": "more"}],
+                                     "usage_cached_tokens": 12_300})
+        assert reg.get_sample_value("prefill_gate_cache_credit_misses_total") == 1  # held this time

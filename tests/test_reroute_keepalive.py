@@ -51,6 +51,8 @@ async def test_unreachable_upstream_moves_the_request_and_is_marked_down(fake):
         reg = state.metrics.registry
         assert sample(reg, "prefill_gate_retries_total", {"upstream": DOWN}) == 1  # then skipped
         assert state.policy.upstreams[DOWN].healthy is False  # until a health check passes
+        assert state.health[DOWN] is False
+        assert sample(reg, "prefill_gate_upstream_up", {"upstream": DOWN}) == 0
         assert all(u.active == 0 and u.prefill_tokens == 0 for u in state.policy.upstreams.values())
 
 
@@ -63,10 +65,10 @@ async def test_503_before_the_first_byte_is_retried_elsewhere(fake):
 
 
 async def test_with_one_upstream_the_error_reaches_the_client(fake):
-    async with client_for(failing(fake, "connect"), upstreams=[DOWN]) as (c, state):
+    async with client_for(failing(fake, "connect"), upstreams=[DOWN]) as (c, _state):
         r = await c.post(CHAT, json=chat())
         assert r.status_code == 502 and r.json()["error"]["type"]
-    async with client_for(failing(fake, "503"), upstreams=[DOWN]) as (c, state):
+    async with client_for(failing(fake, "503"), upstreams=[DOWN]) as (c, _state):
         r = await c.post(CHAT, json=chat())
         assert r.status_code == 503 and r.json() == {"error": {"message": "overloaded"}}
 
@@ -126,7 +128,7 @@ async def test_upstream_error_after_keepalive_is_an_error_event(fake):
 
 
 async def test_without_keepalive_nothing_is_sent_while_held(fake):
-    async with client_for(fake, upstreams=[UP]) as (c, state):
+    async with client_for(fake, upstreams=[UP]) as (c, _state):
         b = await _hold(c, fake)
         a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True)))
         await asyncio.sleep(0.2)

@@ -199,7 +199,9 @@ CONV_COLUMNS = [("turn", "turn"), ("kind", "kind"), ("history_chars", "history t
 
 
 def main(args) -> int:
-    say = lambda s: print(f"[agent] {s}", file=sys.stderr)  # noqa: E731
+    def say(text: str) -> None:
+        print(f"[agent] {text}", file=sys.stderr)
+
     say("1/3 conversation to ~60k tokens next to a decoding stream (and alone)")
     conv = conversation_scenario(args.preset, args.time_scale)
     print(table(conv["turns"], CONV_COLUMNS))
