@@ -1,0 +1,1 @@
+"""prefill-gate's own paged-attention kernel (Triton) and its torch specification."""

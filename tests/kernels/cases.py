@@ -1,0 +1,27 @@
+"""Random paged-attention inputs: fresh per call, random block tables, mixed batches."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_case(page: int, query_lens: list[int], contexts: list[int], num_q_heads: int, num_kv_heads: int,
+              head_dim: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> dict:
+    """contexts[i]: tokens already in sequence i's cache before its query_lens[i] new ones."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [n + c for n, c in zip(query_lens, contexts)]
+    pages = [-(-length // page) for length in seq_lens]
+    num_blocks = sum(pages) + 4  # spare blocks hold noise that must never be read
+    k = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.full((len(seq_lens), max(pages) + 2), num_blocks - 1, dtype=torch.int32)
+    taken = 0
+    for s, n in enumerate(pages):
+        table[s, :n] = order[taken:taken + n]
+        taken += n
+    q = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return {"q": q.to(device), "k_cache": k.to(device), "v_cache": v.to(device), "block_table": table.to(device),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            "query_start_loc": starts.to(device), "scale": head_dim ** -0.5, "max_query_len": max(query_lens)}

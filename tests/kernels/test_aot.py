@@ -1,0 +1,40 @@
+"""Ahead-of-time compilation for GPUs that are not here (Triton's own compiler and the
+ptxas it ships): the kernel must build for sm_70, sm_80 and sm_90, and on sm_70 at head
+dim 128 it must not spill."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.deploy.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    subprocess.run([sys.executable, "-m", "kernels.aot", "--arch", "70", "80", "90", "--json", str(out)],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    return json.loads(out.read_text())["reports"]
+
+
+def test_builds_for_every_target(reports):
+    built = {(r["arch"], r["kernel"], r["split"]) for r in reports}
+    for arch in (70, 80, 90):
+        assert {(arch, "_tile_attention", True), (arch, "_tile_attention", False),
+                (arch, "_merge_splits", True)} <= built
+    assert {r["dtype"] for r in reports if r["arch"] == 70} == {"fp16"}  # V100 has no bf16
+    assert {r["dtype"] for r in reports if r["arch"] != 70} == {"bf16"}
+
+
+def test_no_spills_at_head_dim_128_on_sm70(reports):
+    sm70 = [r for r in reports if r["arch"] == 70 and r["head_dim"] == 128]
+    assert sm70
+    for r in sm70:
+        assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r
+        assert 0 < r["registers"] <= 255

@@ -1,0 +1,136 @@
+"""The Triton kernel against its torch specification, in Triton's interpreter.
+
+Every test draws fresh random inputs and poisons ``out`` with NaN before the run, so a
+row the kernel forgets to write fails. Tolerances are against the float32 reference:
+1e-5 for float32 inputs, 2e-3 (relative to the output scale) for float16.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from kernels.paged_attention import paged_attention
+from kernels.reference import paged_attention_ref
+from tests.kernels.cases import make_case
+
+PAGES = (1, 16, 48, 544, 784, 1568)
+QUERY_LENS = (1, 2, 4, 8, 33, 300)
+GQA = ((4, 4), (8, 2), (8, 1))  # (q heads, kv heads): ratios 1, 4, 8
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float32, torch.float16)
+
+
+def run(case: dict, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full_like(case["q"], float("nan"))
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    got = paged_attention(**args, scale=case["scale"], max_query_len=case["max_query_len"], out=out, **kw)
+    assert got is out
+    ref = paged_attention_ref(**args, scale=case["scale"], sliding_window=kw.get("sliding_window"),
+                              softcap=kw.get("softcap"))
+    return out, ref
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "rows left unwritten (NaN poison)"
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), err
+
+
+def _grid():
+    """Every page size, query length, GQA ratio, head dim and dtype appears, and every
+    pair of page size and query length; the rest rotates (the interpreter is slow)."""
+    rng = random.Random(0)
+    cases = []
+    for i, (page, qlen) in enumerate(itertools.product(PAGES, QUERY_LENS)):
+        hq, hkv = GQA[i % len(GQA)]
+        cases.append((page, qlen, hq, hkv, HEAD_DIMS[(i // 3) % 2], DTYPES[i % 2], rng.randrange(1 << 30)))
+    return cases
+
+
+@pytest.mark.parametrize("page, qlen, hq, hkv, head_dim, dtype, seed", _grid())
+def test_matches_the_reference(page, qlen, hq, hkv, head_dim, dtype, seed):
+    # Contexts that cross page boundaries (and several pages for small pages).
+    context = page + 7 if page > 1 else 37
+    case = make_case(page, [qlen], [context], hq, hkv, head_dim, dtype, seed)
+    assert_close(*run(case), dtype)
+
+
+@pytest.mark.parametrize("page", [16, 544])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batches(page, dtype):
+    seed = random.randrange(1 << 30)
+    # Prefill chunks, a verify row and decodes in one batch (the 2-D path: max len > 8).
+    case = make_case(page, [33, 1, 4, 300, 1], [5, 700, 61, 0, 1100], 8, 2, 64, dtype, seed)
+    assert_close(*run(case), dtype)
+    # Decode and verify rows only (the split-KV path), several segments per sequence.
+    case = make_case(page, [1, 4, 1, 2, 8], [3, 700, 1500, 40, 9], 8, 1, 128, dtype, seed + 1)
+    for splits in (1, 3, 8, 16):
+        assert_close(*run(case, num_kv_splits=splits), dtype)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_sm70_tiling_matches_too(monkeypatch, split):
+    """sm_70 walks KV in 16-position steps (``launch_config``): the same numerics."""
+    import kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "device_capability", lambda device: (7, 0))
+    assert pa.launch_config((7, 0), split)[0] == 16
+    qlens = [1, 4, 2] if split else [40, 1, 9]
+    case = make_case(48, qlens, [100, 47, 5], 8, 1, 128, torch.float16, random.randrange(1 << 30))
+    assert_close(*run(case), torch.float16)
+
+
+@pytest.mark.parametrize("qlen", [1, 4, 33])
+def test_sliding_window_and_softcap(qlen):
+    seed = random.randrange(1 << 30)
+    case = make_case(16, [qlen, 2], [90, 20], 4, 2, 64, torch.float32, seed)
+    assert_close(*run(case, sliding_window=24), torch.float32)
+    assert_close(*run(case, softcap=3.0), torch.float32)
+    assert_close(*run(case, sliding_window=7, softcap=30.0), torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 256])
+def test_other_head_dims(head_dim):
+    case = make_case(16, [3, 40], [50, 10], 4, 1, head_dim, torch.float32, random.randrange(1 << 30))
+    assert_close(*run(case), torch.float32)
+
+
+def test_allocates_out_when_not_given():
+    case = make_case(16, [2], [20], 4, 2, 64, torch.float32, 1)
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    out = paged_attention(**args, scale=case["scale"], max_query_len=2)
+    torch.testing.assert_close(out, paged_attention_ref(**args, scale=case["scale"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(q=c["q"][..., :48].contiguous()), "head_dim 48"),
+    (lambda c: c.update(q=c["q"].half()), "share a dtype"),
+    (lambda c: c.update(seq_lens=c["seq_lens"].long()), "seq_lens must be int32"),
+    (lambda c: c.update(query_start_loc=c["query_start_loc"][:-1]), "num_seqs \\+ 1"),
+    (lambda c: c.update(q=c["q"][:, :3]), "do not group"),
+    (lambda c: c.update(max_query_len=0), "max_query_len"),
+])
+def test_bad_inputs_are_clear_errors(change, message):
+    case = make_case(16, [2], [20], 4, 2, 64, torch.float32, 1)
+    change(case)
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args, scale=0.1, max_query_len=case["max_query_len"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_on_the_gpu_bf16_and_fp16(dtype):
+    if not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    case = make_case(1568, [1, 4, 300], [30000, 9000, 2000], 32, 8, 128, dtype, 3, device="cuda")
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    out = paged_attention(**args, scale=case["scale"], max_query_len=case["max_query_len"])
+    ref = paged_attention_ref(**{k: v.cpu() for k, v in args.items()}, scale=case["scale"])
+    rel = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= 1e-2
