@@ -4,12 +4,14 @@ FROM python:3.12.8-slim-bookworm
 
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gate
 WORKDIR /opt/prefill-gate
+COPY requirements/proxy.lock ./requirements/
+RUN pip install --no-cache-dir -r requirements/proxy.lock
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
-RUN pip install --no-cache-dir ".[tokenizers]" \
+RUN pip install --no-cache-dir --no-deps . \
  && prefill-gate --help > /dev/null
 
-USER gate
+USER 10001
 ENV PYTHONUNBUFFERED=1
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

@@ -9,13 +9,16 @@ ARG TORCH_VERSION=2.11.0
 ARG MAX_JOBS=8
 ENV TORCH_CUDA_ARCH_LIST=7.0 MAX_JOBS=${MAX_JOBS} DEBIAN_FRONTEND=noninteractive
 
+# Ubuntu's own Python (3.10) and build tools; the distribution pins their versions.
+# hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 python3.12-dev python3.12-venv git ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-RUN python3.12 -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cu128 \
- && pip install --no-cache-dir "setuptools>=77" "setuptools-scm>=8" wheel ninja cmake packaging jinja2
+ && pip install --no-cache-dir setuptools==80.9.0 setuptools-scm==8.3.1 wheel==0.45.1 ninja==1.13.0 \
+      cmake==3.31.6 packaging==25.0 jinja2==3.1.6
 WORKDIR /src
 RUN git clone --depth 1 --branch "v${VLLM_VERSION}" https://github.com/vllm-project/vllm.git . \
  && python3 use_existing_torch.py \

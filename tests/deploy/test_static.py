@@ -63,8 +63,7 @@ def test_compose_requires_a_grafana_password():
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_dockerfiles_pass_hadolint(dockerfile):
-    result = subprocess.run([tool("hadolint"), "--failure-threshold", "warning",
-                             "--ignore", "DL3008", "--ignore", "DL3013", str(ROOT / dockerfile)],
+    result = subprocess.run([tool("hadolint"), "--failure-threshold", "info", str(ROOT / dockerfile)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
