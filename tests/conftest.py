@@ -3,6 +3,12 @@ in-memory transport, and real uvicorn servers on loopback for disconnect tests."
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels run in Triton's interpreter on the CPU. It must be chosen before anything
+# imports Triton (vLLM does, for the engine tests). On a GPU: TRITON_INTERPRET=0 pytest -m gpu.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import asyncio
 import contextlib
 import json

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # also set by tests/conftest.py, before vLLM imports Triton
 
 if os.environ.get("PREFILL_GATE_REQUIRE_ENGINE") == "1":
     import triton  # noqa: F401  (fail loudly)
