@@ -28,6 +28,7 @@ RUN git clone --depth 1 --branch "v${VLLM_VERSION}" https://github.com/vllm-proj
 WORKDIR /opt/prefill-gate
 COPY pyproject.toml README.md ./
 COPY engine_patches ./engine_patches
+COPY kernels ./kernels
 RUN pip install --no-cache-dir --no-deps .
 
 ENV PREFILL_GATE_PACING=off

@@ -1,5 +1,5 @@
-# vLLM 0.26.0 (the official image) with prefill-gate's engine patches installed as a
-# vLLM general plugin. Step pacing stays off until PREFILL_GATE_PACING says otherwise
+# vLLM 0.26.0 (the official image) with prefill-gate's engine patches (a vLLM general
+# plugin) and its paged-attention kernel. Step pacing stays off until PREFILL_GATE_PACING says otherwise
 # (docker-compose.yml passes it from .env) and --scheduler-cls selects the paced class.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.26.0
 FROM ${VLLM_IMAGE}
@@ -7,6 +7,7 @@ FROM ${VLLM_IMAGE}
 WORKDIR /opt/prefill-gate
 COPY pyproject.toml README.md ./
 COPY engine_patches ./engine_patches
+COPY kernels ./kernels
 # --no-deps: the image already has vLLM 0.26.0 and everything the patches import.
 RUN pip install --no-cache-dir --no-deps . \
  && python3 -c "import engine_patches._vllm"
