@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .admission import AdmissionPolicy, Limits
-from .errors import ProxyError
+from .auth import OPEN_PATHS, KeyCheck
+from .errors import ProxyError, Unauthorized
 from .estimate import (
     Calibrator,
     Estimator,
@@ -54,6 +55,15 @@ class AppState:
     estimator: Estimator
     prefix_memory: PrefixMemory
     health: dict[str, bool] = field(default_factory=dict)
+    keys: KeyCheck | None = None
+    exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
+
+    def end_exchanges(self) -> int:
+        """Shutdown's grace is over: end every request in progress with an error."""
+        live = list(self.exchanges)
+        for exchange in live:
+            exchange.stop()
+        return len(live)
 
     def mark_health(self, upstream: str, healthy: bool) -> None:
         if self.health.get(upstream) != healthy:
@@ -107,6 +117,7 @@ def build_state(
         read_timeout=settings.read_timeout,
         max_connections=settings.max_connections,
         api_key=settings.upstream_api_key,
+        drop_client_auth=settings.api_keys_file is not None,
         transport=transport,
     )
     state_ref: list[AppState] = []
@@ -118,6 +129,7 @@ def build_state(
     )
     state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator,
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries))
+    state.keys = KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
     for u in settings.upstreams:
@@ -147,6 +159,14 @@ class GateApp:
         self.api = api
 
     async def __call__(self, scope, receive, send) -> None:
+        keys = self.state.keys
+        if keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            if not keys.allows(auth):
+                self.state.metrics.unauthorized.inc()
+                exc = Unauthorized("missing or invalid API key (Authorization: Bearer <key>)")
+                await exc.response()(scope, receive, send)
+                return
         endpoint = HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None or scope["method"] != "POST":
             await self.api(scope, receive, send)

@@ -55,14 +55,34 @@ async def _serve(settings: Settings) -> None:
         sim = uvicorn.Server(uvicorn.Config(create_sim_app(engine), log_level="warning", lifespan="on"))
         servers.append(sim.serve(sockets=[sock]))
         settings = settings.model_copy(update={"upstreams": [url]})
-    app = create_app(build_state(settings))
+    state = build_state(settings)
+    app = create_app(state)
     log.info("prefill-gate on http://%s:%d -> %s (large prefill >= %d tokens, max queue wait %g s)",
              settings.host, settings.port, ", ".join(settings.upstreams), settings.large_prefill_tokens,
              settings.max_queue_wait)
+    # uvicorn stops accepting on SIGTERM/SIGINT and waits for open requests; ours end them
+    # with an error once shutdown_grace has passed, a little before uvicorn would cut them.
     proxy = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                          lifespan="on", timeout_graceful_shutdown=30))
+                                          lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace + 5))
     servers.append(proxy.serve())
-    await asyncio.gather(*servers)
+    drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
+    try:
+        await asyncio.gather(*servers)
+    finally:
+        drain.cancel()
+
+
+async def _drain_on_exit(server, state, grace: float) -> None:
+    """After SIGTERM: let requests in progress finish for ``grace`` seconds, then end them."""
+    loop = asyncio.get_running_loop()
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    log.info("shutting down: %d requests in progress get %g s to finish", len(state.exchanges), grace)
+    deadline = loop.time() + grace
+    while state.exchanges and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.exchanges:
+        log.warning("shutdown grace over: ending %d requests with an error", state.end_exchanges())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -72,6 +92,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"prefill-gate: {exc}", file=sys.stderr)
         return 2
+    if settings.api_keys_file:
+        from .auth import KeyCheck, KeysFileError
+
+        try:
+            KeyCheck.from_file(settings.api_keys_file)
+        except KeysFileError as exc:
+            print(f"prefill-gate: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     run_loop(_serve(settings))
@@ -237,7 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--compare", metavar="DIR", help="also compare with measured direct-8192/proxy-8192 JSON in DIR")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("hash-key", help="read an API key on stdin, print its line for api_keys_file")
+    p.set_defaults(func=cmd_hash_key)
     return parser
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    from .auth import hash_key
+
+    key = sys.stdin.read().strip()
+    if not key:
+        print("prefill-gate hash-key: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
 
 
 def main(argv: typing.Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
     ProxyError                      base: an HTTP status, an OpenAI error type and code
     +-- BadRequest          400     body is not JSON, or a field has the wrong type
+    +-- Unauthorized        401     api_keys_file is set and the Bearer key is not in it
     +-- BodyTooLarge        413     body over ``max_body_bytes``
     +-- QueueFull           429     the large-prefill queue is full (carries Retry-After)
     +-- QueueTimeout        503     waited ``max_queue_wait`` and ``on_queue_timeout=reject``
@@ -50,6 +51,23 @@ class BadRequest(ProxyError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class ShuttingDown(ProxyError):
+    """The proxy is stopping (SIGTERM) and the stream outlived ``shutdown_grace``."""
+
+    status = 503
+    type = "server_error"
+    code = "proxy_shutting_down"
 
 
 class BodyTooLarge(ProxyError):

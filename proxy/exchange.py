@@ -172,7 +172,7 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
 
 class GatedExchange(Exchange):
     def __init__(self, state: "AppState", req: GatedRequest):
-        super().__init__()
+        super().__init__(state.exchanges)
         self.state = state
         self.req = req
         self.lease: Lease | None = None
@@ -364,7 +364,7 @@ class PassthroughExchange(Exchange):
     """Any other allowed path: method, headers, body and status pass unchanged."""
 
     def __init__(self, state: "AppState", upstream: str, method: str, path: str, query: str, headers: Any, body: bytes):
-        super().__init__()
+        super().__init__(state.exchanges)
         self.state = state
         self.args = (upstream, method, path, headers, body, query)
 

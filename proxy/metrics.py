@@ -13,7 +13,8 @@ from typing import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 CLASSES = ("interactive", "large")
-OUTCOMES = ("completed", "client_disconnect", "upstream_error", "upstream_http_error", "rejected", "bad_request")
+OUTCOMES = ("completed", "client_disconnect", "upstream_error", "upstream_http_error", "rejected", "bad_request",
+            "shutdown")
 ADMISSIONS = ("immediate", "after_wait", "after_timeout", "rejected_queue_full", "rejected_timeout", "cancelled")
 ERROR_KINDS = ("connect", "timeout", "protocol", "http_4xx", "http_5xx")
 
@@ -45,6 +46,8 @@ class Metrics:
         self.budget_tokens = Gauge(p + "closed_loop_budget_tokens",
                                    "Closed loop: in-flight prefill tokens allowed next to live decodes.",
                                    ["upstream"], registry=r)
+        self.unauthorized = Counter(p + "unauthorized_total", "Requests refused for a missing or unknown API key.",
+                                    registry=r)
         self.retries = Counter(p + "retries_total",
                                "Requests moved to another upstream after theirs failed before answering.",
                                ["upstream"], registry=r)

@@ -13,6 +13,7 @@ back is the usage-only chunk the proxy asked for on the client's behalf.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import httpx
 from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
-from .errors import ProxyError, QueueFull, QueueTimeout, UpstreamError
+from .errors import ProxyError, QueueFull, QueueTimeout, ShuttingDown, UpstreamError
 from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -165,12 +166,21 @@ class Exchange(Response):
     or an in-stream error event and a clean end after it.
     """
 
-    def __init__(self) -> None:  # Response.__init__ is not called: this response writes itself
+    def __init__(self, registry: set | None = None) -> None:  # Response.__init__ is not called
         self.background = None
         self.status_code = 200
         self.started = False
         self.outcome = Outcome()
         self._watch: DisconnectWatch | None = None
+        self._registry = registry  # the app's requests in progress, for shutdown
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End this request now with a ShuttingDown error (shutdown's grace is over)."""
+        if self._task is not None and not self._stopping:
+            self._stopping = True
+            self._task.cancel()
 
     async def run(self, send) -> None:
         raise NotImplementedError
@@ -191,6 +201,9 @@ class Exchange(Response):
         await send_body(send, body, False)
 
     async def __call__(self, scope, receive, send) -> None:
+        self._task = asyncio.current_task()
+        if self._registry is not None:
+            self._registry.add(self)
         try:
             async with DisconnectWatch(receive) as self._watch:
                 try:
@@ -201,9 +214,19 @@ class Exchange(Response):
                     await self._send_error(send, exc)
                 except OSError:  # the socket went away under a send
                     self.outcome.kind = "client_disconnect"
+                except asyncio.CancelledError:
+                    if not self._stopping:
+                        raise
+                    if hasattr(self._task, "uncancel"):  # Python 3.11+
+                        self._task.uncancel()
+                    exc = ShuttingDown("the proxy is shutting down; retry against another instance")
+                    self.outcome.error, self.outcome.kind = exc, "shutdown"
+                    await self._send_error(send, exc)
             if self._watch.gone:
                 self.outcome.kind = "client_disconnect"
         finally:
+            if self._registry is not None:
+                self._registry.discard(self)
             self.finished(self.outcome)
 
     async def _send_error(self, send, exc: ProxyError) -> None:
@@ -221,6 +244,8 @@ class Exchange(Response):
 
 
 def _outcome_kind(exc: ProxyError) -> str:
+    if isinstance(exc, ShuttingDown):
+        return "shutdown"
     if isinstance(exc, (QueueFull, QueueTimeout)):
         return "rejected"
     if isinstance(exc, UpstreamError):

@@ -99,6 +99,13 @@ class Settings(BaseModel):
     )
     max_connections: int = Field(4096, ge=1, description="Upstream connections at most (all upstreams).")
     health_interval: float = Field(5.0, gt=0, description="Seconds between upstream health checks.")
+    api_keys_file: str | None = Field(
+        None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
+        "prints one). Set: every path but /health and /metrics needs a listed Bearer key (401 otherwise).",
+    )
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="Seconds streams may run on after SIGTERM; then each ends with an error event.",
+    )
     upstream_api_key: str | None = Field(
         None, description="Bearer key the proxy sends upstream (replaces the client's Authorization)."
     )

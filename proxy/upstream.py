@@ -22,11 +22,12 @@ _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encodi
                   "proxy-authenticate", "date", "server"}
 
 
-def request_headers(headers: Mapping[str, str], api_key: str | None) -> dict[str, str]:
+def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client_auth: bool = False) -> dict[str, str]:
     out = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-prefill-gate-")}
     out["accept-encoding"] = "identity"  # we parse the stream; vLLM does not compress anyway
-    if api_key is not None:
+    if api_key is not None or drop_client_auth:  # the client's key is for the proxy, never for upstream
         out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+    if api_key is not None:
         out["authorization"] = f"Bearer {api_key}"
     return out
 
@@ -71,11 +72,13 @@ class UpstreamClient:
         read_timeout: float = 600.0,
         max_connections: int = 4096,
         api_key: str | None = None,
+        drop_client_auth: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
         shards: int = 8,
     ):
         self.urls = list(urls)
         self.api_key = api_key
+        self.drop_client_auth = drop_client_auth
         per_shard = max(1, -(-max_connections // shards))
         self._clients = [
             httpx.AsyncClient(
@@ -106,7 +109,7 @@ class UpstreamClient:
         url = upstream + path + (f"?{query}" if query else "")
         shard = self._pick_shard()
         client = self._clients[shard]
-        req = client.build_request(method, url, headers=request_headers(headers, self.api_key), content=content)
+        req = client.build_request(method, url, headers=request_headers(headers, self.api_key, self.drop_client_auth), content=content)
         self._inflight[shard] += 1
         try:
             with mapped_errors(upstream):
