@@ -23,8 +23,8 @@ class Service:
     """``python -m proxy ARGS --port P`` in its own process; ``url`` once /health answers."""
 
     def __init__(self, *args: str, name: str = "service", timeout: float = 30.0, env: dict | None = None,
-                 cpus: set[int] | None = None):
-        self.port = free_port()
+                 cpus: set[int] | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"prefill-gate-{name}-", suffix=".log", delete=False)
