@@ -64,3 +64,60 @@ async def test_upstream_killed_mid_stream_then_back_without_a_proxy_restart():
                 assert health["queue_depth"] == 0
     finally:
         sim.stop()
+
+
+async def _maybe_abandon(c: httpx.AsyncClient, url: str, rng, stats: dict) -> None:
+    large = rng.random() < 0.2
+    content = ("x" * 12_000) if large else "hi " * rng.randint(1, 30)
+    body = {"model": "sim", "stream": rng.random() < 0.8, "max_tokens": rng.randint(1, 200), "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}]}
+    abandon_after = rng.choice([None, 0.0, 0.005, 0.02, 0.1, 0.3])  # None: read to the end
+    try:
+        async with asyncio.timeout(abandon_after) if abandon_after is not None else _null():
+            async with c.stream("POST", url + CHAT, json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+                stats[r.status_code] = stats.get(r.status_code, 0) + 1
+    except TimeoutError:
+        stats["abandoned"] = stats.get("abandoned", 0) + 1  # the client went away mid-request
+
+
+class _null:
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+async def test_thousand_requests_with_random_disconnects_leak_nothing():
+    import random
+
+    rng = random.Random(4)
+    stats: dict = {}
+    with Service("sim", "--time-scale", "0.2", name="sim") as sim, \
+            Service("serve", "--upstream", sim.url, "--large-prefill-tokens", "2000", "--max-queue-wait", "5",
+                    "--log-level", "warning", name="proxy") as proxy:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+            sem = asyncio.Semaphore(48)
+
+            async def one():
+                async with sem:
+                    await _maybe_abandon(c, proxy.url, rng, stats)
+
+            await asyncio.gather(*(one() for _ in range(1000)))
+            await asyncio.sleep(0.5)  # the last aborts reach the upstream
+            health = (await c.get(proxy.url + "/health")).json()
+            metrics = (await c.get(sim.url + "/metrics")).text
+            proxy_metrics = (await c.get(proxy.url + "/metrics")).text
+    up = health["upstreams"][sim.url]
+    assert health["queue_depth"] == 0 and up["live_decodes"] == 0 and up["active"] == 0
+    assert up["large_prefills_in_flight"] == 0
+    running = [ln for ln in metrics.splitlines() if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))]
+    assert running and all(float(ln.split()[-1]) == 0 for ln in running)  # no orphaned upstream request
+    assert stats.get("abandoned", 0) > 300 and stats.get(200, 0) > 100
+    assert set(stats) <= {200, "abandoned"}, stats  # no 5xx from the proxy
+    disconnects = sum(float(ln.split()[-1]) for ln in proxy_metrics.splitlines()
+                      if ln.startswith("prefill_gate_requests_total{") and 'outcome="client_disconnect"' in ln)
+    assert disconnects > 0
