@@ -238,14 +238,15 @@ class AdmissionPolicy:
         up.budget_tokens //= 2
         return []
 
-    def reroute(self, ticket: Ticket, tried: set[str]) -> bool:
+    def reroute(self, ticket: Ticket, tried: set[str]) -> list[Ticket] | None:
         """Move an admitted ticket that its upstream failed before answering to another
-        healthy upstream not in ``tried`` (nothing reached its client yet). False: none left."""
+        healthy upstream not in ``tried`` (nothing reached its client yet). None: none
+        left; else the queued tickets that the freed slot admitted."""
         if ticket.phase is not Phase.PREFILLING:
             raise PolicyError(f"ticket {ticket.id} rerouted from {ticket.phase.value}")
         others = [u for u in self.upstreams.values() if u.healthy and u.name not in tried]
         if not others:
-            return False
+            return None
         old = self.upstreams[ticket.upstream]
         old.active -= 1
         self._end_prefill(old, ticket)
@@ -255,7 +256,7 @@ class AdmissionPolicy:
         new.prefill_tokens += ticket.tokens
         if ticket.cls is RequestClass.LARGE:
             new.large_in_flight += 1
-        return True
+        return self._pump()
 
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
         self.upstreams[upstream].healthy = healthy

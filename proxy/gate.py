@@ -36,10 +36,11 @@ class Lease:
 
     def reroute(self, tried: set[str]) -> bool:
         """Our upstream failed before answering: move to another. False: none left."""
-        gate = self._gate
-        moved = gate.policy.reroute(self.ticket, tried)
-        gate._sync()
-        return moved
+        admitted = self._gate.policy.reroute(self.ticket, tried)
+        if admitted is None:
+            return False
+        self._gate._wake(admitted)  # the slot it left may start a queued request
+        return True
 
     def token_gap(self, seconds: float) -> None:
         """A gap between two content chunks of this stream (feeds the closed loop)."""

@@ -293,12 +293,12 @@ def test_reroute_moves_counters_to_another_healthy_upstream():
     p.submit(a)
     first = a.upstream
     p.set_health("u3", False)
-    assert p.reroute(a, {first})
+    assert p.reroute(a, {first}) == []
     assert a.upstream not in (first, "u3")
     assert p.upstreams[first].active == 0 and p.upstreams[first].large_in_flight == 0
     assert p.upstreams[a.upstream].large_in_flight == 1
     assert p.upstreams[a.upstream].prefill_tokens == a.tokens
-    assert not p.reroute(a, {"u1", "u2"})  # none left (u3 is down)
+    assert p.reroute(a, {"u1", "u2"}) is None  # none left (u3 is down)
     p.finish(a)
     assert all(u.active == 0 and u.prefill_tokens == 0 for u in p.upstreams.values())
 
@@ -308,3 +308,22 @@ def test_reroute_only_while_prefilling():
     t = decoding(p, small())
     with pytest.raises(PolicyError):
         p.reroute(t, {t.upstream})
+
+
+def test_reroute_frees_a_slot_that_starts_a_queued_prefill():
+    # Found by the state machine: moving a large prefill away must pump the queue.
+    p, _ = policy(("u1", "u2"))
+    a = large()
+    p.submit(a)
+    b = large()
+    p.submit(b)
+    c = large()
+    assert p.submit(c) is Decision.QUEUED  # both upstreams have their one large prefill
+    p.set_health(b.upstream, True)
+    failed = a.upstream
+    p.finish(b)  # b's upstream is free again
+    assert c.phase is Phase.PREFILLING
+    d = large()
+    assert p.submit(d) is Decision.QUEUED
+    admitted = p.reroute(a, {failed})  # a moves onto c's upstream; its own slot frees
+    assert admitted == [d] and d.upstream == failed
