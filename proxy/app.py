@@ -218,9 +218,10 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
         }
         return JSONResponse(body)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if state.settings.metrics_port is None:  # else served by create_metrics_app on its own port
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def passthrough(request: Request):
         body = await read_body(request, state.settings.max_body_bytes)
@@ -233,3 +234,21 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     for path in ("/tokenize", "/detokenize", "/version"):
         app.add_api_route(path, passthrough, methods=["GET", "POST"], include_in_schema=False)
     return GateApp(state, app)
+
+
+def create_metrics_app(state: AppState):
+    """``GET /metrics`` alone, for a listener of its own (``metrics_port``): scrapers reach
+    it without reaching the API, and the API port need not expose it."""
+    body_type = CONTENT_TYPE_LATEST.encode()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics" or scope["method"] != "GET":
+            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"not found"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", body_type)]})
+        await send({"type": "http.response.body", "body": generate_latest(state.metrics.registry)})
+
+    return app

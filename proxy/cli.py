@@ -65,6 +65,12 @@ async def _serve(settings: Settings) -> None:
     proxy = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                           lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace + 5))
     servers.append(proxy.serve())
+    if settings.metrics_port is not None:
+        from .app import create_metrics_app
+
+        metrics = uvicorn.Server(uvicorn.Config(create_metrics_app(state), host=settings.metrics_host,
+                                                port=settings.metrics_port, log_level="warning", lifespan="off"))
+        servers.append(metrics.serve())
     drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
     try:
         await asyncio.gather(*servers)

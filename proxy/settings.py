@@ -103,6 +103,10 @@ class Settings(BaseModel):
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
         "prints one). Set: every path but /health and /metrics needs a listed Bearer key (401 otherwise).",
     )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="Serve /metrics on this port (at metrics_host) instead of the API port.",
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address of the separate /metrics listener (metrics_port).")
     shutdown_grace: float = Field(
         30.0, ge=0, description="Seconds streams may run on after SIGTERM; then each ends with an error event.",
     )

@@ -8,7 +8,14 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, RequestClass, Ticket
+from proxy.admission import (
+    AdmissionPolicy,
+    Decision,
+    Limits,
+    Phase,
+    RequestClass,
+    Ticket,
+)
 
 UPSTREAMS = ("u1", "u2")
 

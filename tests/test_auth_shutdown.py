@@ -117,3 +117,15 @@ async def test_sigterm_lets_short_streams_finish_and_ends_long_ones(tmp_path):
             m = (await c.get(sim.url + "/metrics")).text
         running = [ln for ln in m.splitlines() if ln.startswith("vllm:num_requests_running")]
         assert running and float(running[0].split()[-1]) == 0  # the upstream request was closed
+
+
+def test_metrics_on_their_own_port():
+    from proxy.bench.services import free_port
+
+    port = free_port()
+    with Service("serve", "--upstream", "http://127.0.0.1:9", "--metrics-port", str(port),
+                 "--log-level", "warning", name="proxy") as proxy:
+        assert httpx.get(proxy.url + "/metrics").status_code == 404  # not on the API port
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics")
+        assert r.status_code == 200 and "prefill_gate_requests_total" in r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 404  # and only metrics there
