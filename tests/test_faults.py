@@ -182,3 +182,45 @@ async def test_a_client_that_stops_reading_does_not_stall_other_streams():
     assert events[-1] == b"data: [DONE]" and not any(b'"error"' in e for e in events)
     assert took < 5.0  # not held behind the stuck reader
     assert grown < 20 * 1024 * 1024  # the stuck stream's buffer stays bounded while it runs on
+
+
+async def _tcp_server(handler):
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_garbage_or_silent_upstream_process_gives_502_and_504():
+    async def garbage(reader, writer):
+        await reader.read(65536)
+        writer.write(b"\x00\x01 this is not HTTP at all\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    done = asyncio.Event()
+
+    async def silent(reader, writer):
+        await reader.read(65536)
+        await done.wait()  # accepts, reads, never answers
+        writer.close()
+
+    garbage_server, garbage_url = await _tcp_server(garbage)
+    silent_server, silent_url = await _tcp_server(silent)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with Service("serve", "--upstream", garbage_url, "--log-level", "warning", name="p1") as p1, \
+                Service("serve", "--upstream", silent_url, "--read-timeout", "0.5", "--log-level", "warning",
+                        name="p2") as p2:
+            async with httpx.AsyncClient(timeout=10) as c:
+                r = await c.post(p1.url + CHAT, json=body)
+                assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_protocol_error"
+                r = await c.post(p2.url + CHAT, json=body)
+                assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+                for p in (p1, p2):  # nothing held afterwards
+                    health = (await c.get(p.url + "/health")).json()
+                    assert health["queue_depth"] == 0
+                    assert all(u["active"] == 0 for u in health["upstreams"].values())
+    finally:
+        done.set()
+        garbage_server.close()
+        silent_server.close()
+        await asyncio.sleep(0.05)
