@@ -62,14 +62,14 @@ class PacingConfig:
             raise PacingConfigError(
                 f"{PREFIX}={env[PREFIX]!r}: expected one of {', '.join(MODES)}"
             )
-        interval = _int(env, "INTERVAL", 1, low=1, high=1000)
-        target_ms = _float(env, "TARGET_ITL_MS", None, low=0.1, high=60_000.0)
+        interval = _number(env, "INTERVAL", 1, low=1, high=1000)
+        target_ms = _number(env, "TARGET_ITL_MS", None, low=0.1, high=60_000.0, cast=float)
         if mode == "adaptive" and target_ms is None:
             raise PacingConfigError(
                 f"{PREFIX}=adaptive needs {PREFIX}_TARGET_ITL_MS (the step time to hold, "
                 "in milliseconds, e.g. 3x the solo inter-token gap)"
             )
-        max_deferred = _int(env, "MAX_DEFERRED", interval, low=1, high=1000)
+        max_deferred = _number(env, "MAX_DEFERRED", interval, low=1, high=1000)
         if max_deferred < interval:
             raise PacingConfigError(
                 f"{PREFIX}_MAX_DEFERRED={max_deferred} is below {PREFIX}_INTERVAL="
@@ -77,14 +77,14 @@ class PacingConfig:
             )
         return cls(
             mode=mode,  # type: ignore[arg-type]
-            cap_tokens=_int(env, "CAP_TOKENS", 256, low=1, high=1 << 20),
+            cap_tokens=_number(env, "CAP_TOKENS", 256, low=1, high=1 << 20),
             interval=interval,
             max_deferred=max_deferred,
             target_itl_s=None if target_ms is None else target_ms / 1000.0,
-            min_tokens=_int(env, "MIN_TOKENS", 16, low=1, high=1 << 20),
-            graph_clamp=_int(env, "GRAPH_CLAMP", 1, low=0, high=1) == 1,
-            log_interval_s=_float(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0),
-            metrics_port=_int(env, "METRICS_PORT", 0, low=0, high=65535),
+            min_tokens=_number(env, "MIN_TOKENS", 16, low=1, high=1 << 20),
+            graph_clamp=_number(env, "GRAPH_CLAMP", 1, low=0, high=1) == 1,
+            log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
+            metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )
 
     def describe(self) -> str:
@@ -128,29 +128,16 @@ def _raw(env: Mapping[str, str], name: str) -> str | None:
     return None if value is None or not value.strip() else value.strip()
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
+def _number(env: Mapping[str, str], name: str, default, *, low, high, cast=int):
+    """PREFIX_<name> as ``cast`` (int or float) within low..high; ``default`` when unset."""
     raw = _raw(env, name)
     if raw is None:
         return default
     try:
-        value = int(raw)
+        value = cast(raw)
     except ValueError:
-        raise PacingConfigError(f"{PREFIX}_{name}={raw!r}: expected an integer") from None
-    if not low <= value <= high:
-        raise PacingConfigError(f"{PREFIX}_{name}={value}: expected {low}..{high}")
-    return value
-
-
-def _float(
-    env: Mapping[str, str], name: str, default: float | None, *, low: float, high: float
-) -> float | None:
-    raw = _raw(env, name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise PacingConfigError(f"{PREFIX}_{name}={raw!r}: expected a number") from None
+        what = "an integer" if cast is int else "a number"
+        raise PacingConfigError(f"{PREFIX}_{name}={raw!r}: expected {what}") from None
     if not low <= value <= high:
         raise PacingConfigError(f"{PREFIX}_{name}={value}: expected {low}..{high}")
     return value

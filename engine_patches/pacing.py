@@ -73,7 +73,6 @@ class StepPlan:
 
 @dataclass
 class _StepRecord:
-    scheduled_at: float
     tokens: int
     x: tuple[float, ...]
 
@@ -175,7 +174,7 @@ class _PacingMixin:
         self._pacing_steps: deque[_StepRecord] = deque(maxlen=4)
         self._pacing_last_call: float | None = None
         self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
-        self._control_seen: float | None = None
+        self._control_seen: int | None = None  # the control file's mtime (ns) last read
         self._control_next_poll = 0.0
         self._log_pacing()
 
@@ -207,20 +206,19 @@ class _PacingMixin:
         except (OSError, PacingConfigError) as exc:
             logger.error("prefill-gate pacing: control file ignored, settings kept: %s", exc)
             return
-        aim = self.pacer.aim
-        self.pacer = Pacer(config, block_size=self.pacer.block_size,
-                           graph_limit=self._graph_limit, model=self.pacer.model)
-        if config.target_itl_s == getattr(self.pacing_telemetry.config, "target_itl_s", None):
-            self.pacer.aim = aim
+        old = self.pacer
+        self.pacer = Pacer(config, block_size=old.block_size, graph_limit=self._graph_limit, model=old.model)
+        if config.target_itl_s == old.config.target_itl_s:
+            self.pacer.aim = old.aim  # the aim learned for this target still holds
         self.pacing_telemetry.config = config
         self._log_pacing()
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        now = self.pacing_clock()
         if self._control_path is not None:
-            self._poll_control_file(self.pacing_clock())
+            self._poll_control_file(now)
         if self.pacer.config.mode == "off":
             return super().schedule(throttle_prefills)
-        now = self.pacing_clock()
         self._observe_step_time(now)
 
         step = self.current_step + 1  # super().schedule() increments it first
@@ -250,8 +248,7 @@ class _PacingMixin:
         else:
             output = super().schedule(throttle_prefills and self.pacer.config.mode != "cadence")
 
-        decode_ids = {r.request_id for r in decodes}
-        self._record_step(now, output, decode_ids, plan)
+        self._record_step(output, {r.request_id for r in decodes}, plan)
         return output
 
     def _schedule_capped(self, budget: int, cap: int) -> SchedulerOutput:
@@ -268,9 +265,7 @@ class _PacingMixin:
             self.max_num_scheduled_tokens = saved_budget
             config.long_prefill_token_threshold = saved_threshold
 
-    def _record_step(
-        self, now: float, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan
-    ) -> None:
+    def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan) -> None:
         decode_rows = 0
         chunks: list[tuple[int, int]] = []
         for req_id, n in output.num_scheduled_tokens.items():
@@ -281,7 +276,7 @@ class _PacingMixin:
                 start = self.requests[req_id].num_computed_tokens - n
                 chunks.append((start, n))
         x = features(decode_rows, chunks)
-        self._pacing_steps.append(_StepRecord(now, output.total_num_scheduled_tokens, x))
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x))
         self.pacing_telemetry.step(
             decode_rows=decode_rows,
             prefill_tokens=sum(n for _, n in chunks),

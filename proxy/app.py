@@ -128,8 +128,8 @@ def build_state(
         band=settings.exact_count_band,
     )
     state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator,
-                     PrefixMemory(settings.upstreams, settings.prefix_memory_entries))
-    state.keys = KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None
+                     PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
+                     keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None)
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
     for u in settings.upstreams:

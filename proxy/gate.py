@@ -43,9 +43,16 @@ class Lease:
         return True
 
     def token_gap(self, seconds: float) -> None:
-        """A gap between two content chunks of this stream (feeds the closed loop)."""
-        if self.ticket.protected and self._gate.policy.limits.itl_slo is not None:
-            self._gate._wake(self._gate.policy.observe_itl(self.ticket.upstream, seconds))
+        """A gap between two content chunks of this stream (feeds the closed loop). On the
+        per-chunk path: the gauges are synced only when a window moved the budget."""
+        policy = self._gate.policy
+        if not self.ticket.protected or policy.limits.itl_slo is None:
+            return
+        up = policy.upstreams[self.ticket.upstream]
+        budget = up.budget_tokens
+        admitted = policy.observe_itl(up.name, seconds)
+        if admitted or up.budget_tokens != budget:
+            self._gate._wake(admitted)
 
     def large_prefill_in_flight(self) -> bool:
         return self._gate.policy.large_in_flight(self.ticket.upstream)

@@ -23,6 +23,12 @@ from proxy.app import build_state, create_app
 from proxy.settings import load_settings
 
 UPSTREAM = "http://vllm.test"
+CHAT = "/v1/chat/completions"
+
+
+def chat(content="hi", **extra) -> dict:
+    """A chat body; unknown fields (``stream``, ``hold``, ``fail``...) drive FakeVLLM."""
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
 
 
 def sse(obj) -> bytes:
@@ -163,3 +169,28 @@ async def serve(app):
 def sample(registry, name, labels=None) -> float:
     value = registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
+
+
+async def hold_stream(c: httpx.AsyncClient, fake: FakeVLLM, body: dict | None = None) -> asyncio.Task:
+    """Start a streaming request that stays in its decode phase until fake.release is set."""
+    task = asyncio.create_task(c.post(CHAT, json=body or chat(stream=True, hold=True)))
+    await asyncio.wait_for(fake.first_token.wait(), 5)
+    await asyncio.sleep(0.05)
+    return task
+
+
+async def stream_events(url: str, max_tokens: int, content: str = "hello",
+                        started: asyncio.Event | None = None) -> list[bytes]:
+    """Stream a chat answer from a real server (the simulator, or the proxy in front of it);
+    its ``data:`` lines. ``started`` is set once five of them have arrived."""
+    body = {"model": "sim", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}]}
+    events = []
+    async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", url + CHAT, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events.append(line.encode())
+                if started is not None and len(events) >= 5:
+                    started.set()
+    return events

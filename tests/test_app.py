@@ -4,14 +4,7 @@ import asyncio
 import json
 
 import pytest
-
-from conftest import UPSTREAM, proxy_client, sample
-
-CHAT = "/v1/chat/completions"
-
-
-def chat(content="hi", **extra):
-    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+from conftest import CHAT, UPSTREAM, chat, hold_stream, proxy_client, sample
 
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):
@@ -146,17 +139,9 @@ async def test_failure_after_the_first_byte_is_an_in_stream_error_and_a_clean_en
         assert state.policy.upstreams[UPSTREAM].live_decodes == 0
 
 
-async def _hold_a_stream(c, fake):
-    """Start a streaming request that stays in its decode phase until fake.release is set."""
-    task = asyncio.create_task(c.post(CHAT, json=chat(stream=True, hold=True)))
-    await asyncio.wait_for(fake.first_token.wait(), 5)
-    await asyncio.sleep(0.05)
-    return task
-
-
 async def test_large_prefill_waits_for_the_live_decode_then_runs(fake):
     async with proxy_client(fake) as (c, state):
-        b = await _hold_a_stream(c, fake)
+        b = await hold_stream(c, fake)
         assert state.policy.upstreams[UPSTREAM].live_decodes == 1
         a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000)))
         await asyncio.sleep(0.1)
@@ -174,7 +159,7 @@ async def test_large_prefill_waits_for_the_live_decode_then_runs(fake):
 
 async def test_class_and_priority_headers(fake):
     async with proxy_client(fake) as (c, state):
-        b = await _hold_a_stream(c, fake)
+        b = await hold_stream(c, fake)
         lo = asyncio.create_task(c.post(CHAT, json=chat(), headers={"x-prefill-gate-class": "large",
                                                                      "x-prefill-gate-priority": "5"}))
         await asyncio.sleep(0.05)
@@ -188,7 +173,7 @@ async def test_class_and_priority_headers(fake):
 
 async def test_queue_full_is_429_with_retry_after(fake):
     async with proxy_client(fake, max_queue=1, max_queue_wait=20) as (c, state):
-        b = await _hold_a_stream(c, fake)
+        b = await hold_stream(c, fake)
         a1 = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000)))
         await asyncio.sleep(0.05)
         r = await c.post(CHAT, json=chat("y" * 40000))
@@ -203,7 +188,7 @@ async def test_queue_full_is_429_with_retry_after(fake):
 @pytest.mark.parametrize("policy, status", [("reject", 503), ("admit", 200)])
 async def test_wait_bound(fake, policy, status):
     async with proxy_client(fake, max_queue_wait=0.2, on_queue_timeout=policy) as (c, state):
-        b = await _hold_a_stream(c, fake)
+        b = await hold_stream(c, fake)
         r = await asyncio.wait_for(c.post(CHAT, json=chat("x" * 40000)), 5)
         assert r.status_code == status
         if status == 503:

@@ -11,15 +11,10 @@ import time
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
-from proxy.app import build_state, create_app
 from proxy.auth import KeyCheck, KeysFileError, hash_key
 from proxy.bench.services import Service
-from proxy.settings import load_settings
-from tests.conftest import UPSTREAM, FakeVLLM, sample
-
-CHAT = "/v1/chat/completions"
+from tests.conftest import CHAT, FakeVLLM, proxy_client, sample, stream_events
 
 
 def keys_file(tmp_path, *keys, extra=""):
@@ -28,17 +23,9 @@ def keys_file(tmp_path, *keys, extra=""):
     return str(path)
 
 
-async def client_with_keys(fake, path):
-    s = load_settings({"upstreams": [UPSTREAM], "api_keys_file": path}, environ={})
-    state = build_state(s, registry=CollectorRegistry(), transport=httpx.MockTransport(fake))
-    app = create_app(state, health_checks=False)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test"), state
-
-
 async def test_keys_gate_every_path_but_health_and_metrics(tmp_path):
     fake = FakeVLLM()
-    c, state = await client_with_keys(fake, keys_file(tmp_path, "k-alice", "k-bob"))
-    async with c:
+    async with proxy_client(fake, api_keys_file=keys_file(tmp_path, "k-alice", "k-bob")) as (c, state):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k-alice"},
                         {"authorization": "k-alice"}):
@@ -80,30 +67,19 @@ def test_hash_key_command_and_bad_file_at_start(tmp_path):
     assert r.returncode == 2 and "bad:1: expected sha256" in r.stderr
 
 
-async def _stream(url: str, max_tokens: int) -> tuple[list[bytes], float]:
-    body = {"model": "sim", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "hello"}]}
-    events = []
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", url + CHAT, json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                events.append(line.encode())
-    return events, time.monotonic()
-
-
 @pytest.mark.slow
 async def test_sigterm_lets_short_streams_finish_and_ends_long_ones(tmp_path):
     with Service("sim", "--time-scale", "2", name="sim") as sim, \
             Service("serve", "--upstream", sim.url, "--shutdown-grace", "1.0", "--log-level", "warning",
                     name="proxy") as proxy:
-        long = asyncio.create_task(_stream(proxy.url, 5000))  # ~50 s of tokens
-        short = asyncio.create_task(_stream(proxy.url, 40))  # well under a second
+        long = asyncio.create_task(stream_events(proxy.url, 5000))  # ~50 s of tokens
+        short = asyncio.create_task(stream_events(proxy.url, 40))  # well under a second
         await asyncio.sleep(0.5)
         sent = time.monotonic()
         proxy.proc.send_signal(signal.SIGTERM)
-        short_events, _ = await short
-        long_events, ended = await long
+        short_events = await short
+        long_events = await long
+        ended = time.monotonic()
         assert short_events[-1] == b"data: [DONE]"
         assert not any(b"error" in e for e in short_events)
         assert long_events[-1] == b"data: [DONE]"

@@ -3,7 +3,8 @@ a turn that adds a long tool result is a large prefill."""
 
 import asyncio
 
-from conftest import proxy_client
+from conftest import hold_stream, proxy_client
+
 from proxy.prefix_memory import PrefixMemory, prefix_hashes
 
 CHAT = "/v1/chat/completions"
@@ -39,19 +40,12 @@ def test_memory_is_bounded_lru():
     assert len(mem) == 2 and mem.longest(h[:2]) is None  # the oldest prefix fell out
 
 
-async def _hold(c, fake):
-    task = asyncio.create_task(c.post(CHAT, json={"messages": msgs("b"), "stream": True, "hold": True}))
-    await asyncio.wait_for(fake.first_token.wait(), 5)
-    await asyncio.sleep(0.05)
-    return task
-
-
 async def test_agent_turns_small_tail_runs_tool_result_waits(fake):
     async with proxy_client(fake) as (c, state):
         history = msgs("x" * 240_000, "ok")  # ~60k tokens of conversation, sent while idle
         r = await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "first"}]})
         assert r.status_code == 200
-        b = await _hold(c, fake)  # another stream decodes from here on
+        b = await hold_stream(c, fake, {"messages": msgs("b"), "stream": True, "hold": True})  # another stream decodes from here on
 
         turn = history + [{"role": "user", "content": "first"}, {"role": "assistant", "content": "done"},
                           {"role": "user", "content": "now a short question"}]
@@ -75,7 +69,7 @@ async def test_prefix_memory_off_counts_whole_prompts(fake):
     async with proxy_client(fake, prefix_memory_entries=0) as (c, state):
         history = msgs("x" * 40_000, "ok")
         await c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q"}]})
-        b = await _hold(c, fake)
+        b = await hold_stream(c, fake, {"messages": msgs("b"), "stream": True, "hold": True})
         again = asyncio.create_task(c.post(CHAT, json={"messages": history + [{"role": "user", "content": "q2"}]}))
         await asyncio.sleep(0.1)
         assert state.policy.queue_depth == 1 and not again.done()

@@ -4,30 +4,20 @@ while held, and the closed loop admitting next to live decodes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
-from prometheus_client import CollectorRegistry
 
-from proxy.app import build_state, create_app
-from proxy.settings import load_settings
-from tests.conftest import FakeVLLM, response, sample
+from tests.conftest import (
+    CHAT,
+    FakeVLLM,
+    chat,
+    hold_stream,
+    proxy_client,
+    response,
+    sample,
+)
 
-CHAT = "/v1/chat/completions"
 DOWN, UP = "http://down.test", "http://up.test"
-
-
-def chat(content="hi", **extra):
-    return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
-
-
-@contextlib.asynccontextmanager
-async def client_for(handler, **settings):
-    s = load_settings(settings, environ={})
-    state = build_state(s, registry=CollectorRegistry(), transport=httpx.MockTransport(handler))
-    app = create_app(state, health_checks=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test") as c:
-        yield c, state
 
 
 def failing(fake: FakeVLLM, how: str):
@@ -44,7 +34,7 @@ def failing(fake: FakeVLLM, how: str):
 
 
 async def test_unreachable_upstream_moves_the_request_and_is_marked_down(fake):
-    async with client_for(failing(fake, "connect"), upstreams=[DOWN, UP]) as (c, state):
+    async with proxy_client(failing(fake, "connect"), upstreams=[DOWN, UP]) as (c, state):
         for _ in range(3):
             r = await c.post(CHAT, json=chat(stream=True))
             assert r.status_code == 200 and b"data: [DONE]" in r.content
@@ -57,7 +47,7 @@ async def test_unreachable_upstream_moves_the_request_and_is_marked_down(fake):
 
 
 async def test_503_before_the_first_byte_is_retried_elsewhere(fake):
-    async with client_for(failing(fake, "503"), upstreams=[DOWN, UP]) as (c, state):
+    async with proxy_client(failing(fake, "503"), upstreams=[DOWN, UP]) as (c, state):
         r = await c.post(CHAT, json=chat())
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ab"
         assert sample(state.metrics.registry, "prefill_gate_retries_total", {"upstream": DOWN}) >= 1
@@ -65,24 +55,17 @@ async def test_503_before_the_first_byte_is_retried_elsewhere(fake):
 
 
 async def test_with_one_upstream_the_error_reaches_the_client(fake):
-    async with client_for(failing(fake, "connect"), upstreams=[DOWN]) as (c, _state):
+    async with proxy_client(failing(fake, "connect"), upstreams=[DOWN]) as (c, _state):
         r = await c.post(CHAT, json=chat())
         assert r.status_code == 502 and r.json()["error"]["type"]
-    async with client_for(failing(fake, "503"), upstreams=[DOWN]) as (c, _state):
+    async with proxy_client(failing(fake, "503"), upstreams=[DOWN]) as (c, _state):
         r = await c.post(CHAT, json=chat())
         assert r.status_code == 503 and r.json() == {"error": {"message": "overloaded"}}
 
 
-async def _hold(c, fake):
-    task = asyncio.create_task(c.post(CHAT, json=chat(stream=True, hold=True)))
-    await asyncio.wait_for(fake.first_token.wait(), 5)
-    await asyncio.sleep(0.05)
-    return task
-
-
 async def test_held_stream_gets_keepalive_comments_then_its_answer(fake):
-    async with client_for(fake, upstreams=[UP], sse_keepalive=0.05) as (c, state):
-        b = await _hold(c, fake)
+    async with proxy_client(fake, upstreams=[UP], sse_keepalive=0.05) as (c, state):
+        b = await hold_stream(c, fake)
         a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True)))
         await asyncio.sleep(0.3)
         assert state.policy.queue_depth == 1
@@ -99,9 +82,9 @@ async def test_held_stream_gets_keepalive_comments_then_its_answer(fake):
 
 
 async def test_keepalive_then_timeout_reject_is_an_in_stream_error(fake):
-    async with client_for(fake, upstreams=[UP], sse_keepalive=0.05, max_queue_wait=0.3,
+    async with proxy_client(fake, upstreams=[UP], sse_keepalive=0.05, max_queue_wait=0.3,
                           on_queue_timeout="reject") as (c, state):
-        b = await _hold(c, fake)
+        b = await hold_stream(c, fake)
         r = await asyncio.wait_for(c.post(CHAT, json=chat("x" * 40000, stream=True)), 5)
         assert r.status_code == 200  # the status went out with the first keep-alive
         assert b": prefill-gate queued" in r.content
@@ -113,8 +96,8 @@ async def test_keepalive_then_timeout_reject_is_an_in_stream_error(fake):
 
 
 async def test_upstream_error_after_keepalive_is_an_error_event(fake):
-    async with client_for(fake, upstreams=[UP], sse_keepalive=0.05) as (c, state):
-        b = await _hold(c, fake)
+    async with proxy_client(fake, upstreams=[UP], sse_keepalive=0.05) as (c, state):
+        b = await hold_stream(c, fake)
         a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True, fail="400")))
         await asyncio.sleep(0.2)
         fake.release.set()
@@ -128,8 +111,8 @@ async def test_upstream_error_after_keepalive_is_an_error_event(fake):
 
 
 async def test_without_keepalive_nothing_is_sent_while_held(fake):
-    async with client_for(fake, upstreams=[UP]) as (c, _state):
-        b = await _hold(c, fake)
+    async with proxy_client(fake, upstreams=[UP]) as (c, _state):
+        b = await hold_stream(c, fake)
         a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True)))
         await asyncio.sleep(0.2)
         fake.release.set()
@@ -139,8 +122,8 @@ async def test_without_keepalive_nothing_is_sent_while_held(fake):
 
 
 async def test_closed_loop_admits_next_to_a_smooth_stream(fake):
-    async with client_for(fake, upstreams=[UP], itl_slo_ms=50, closed_loop_start_tokens=20000) as (c, state):
-        b = await _hold(c, fake)
+    async with proxy_client(fake, upstreams=[UP], itl_slo_ms=50, closed_loop_start_tokens=20000) as (c, state):
+        b = await hold_stream(c, fake)
         r = await asyncio.wait_for(c.post(CHAT, json=chat("x" * 40000)), 5)  # ~10k tokens
         assert r.status_code == 200  # admitted while B still decodes
         assert sample(state.metrics.registry, "prefill_gate_admissions_total",

@@ -181,17 +181,8 @@ def paced_scenario(preset: str, time_scale: float, cap: int, slo_ms: float) -> l
             with Service("serve", "--upstream", sim.url, "--log-level", "warning", *extra, name="proxy") as gate:
                 result = asyncio.run(run_overlap(gate.url, runs=1, progress=False))
             result["config"] = label
-            result["overlap_itl_ms_p95"] = _overlap_p95(result)
             out.append(result)
     return out
-
-
-def _overlap_p95(result: dict) -> float:
-    raw = result["raw"][0]
-    b, a = raw["b"]["tokens"], raw["a"]
-    start, end = a["sent"], (a["tokens"][0] if a["tokens"] else raw["b"]["end"])
-    gaps = [y - x for x, y in zip(b, b[1:]) if start < y <= end]
-    return percentile(gaps, 95) * 1e3 if gaps else float("nan")
 
 
 CONV_COLUMNS = [("turn", "turn"), ("kind", "kind"), ("history_chars", "history tokens"), ("ttft_ms", "TTFT ms"),

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from proxy.bench.services import Service, free_port
+from tests.conftest import stream_events
 from tests.deploy.conftest import ROOT, tool
 
 pytestmark = pytest.mark.slow
@@ -42,37 +43,24 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
-async def stream(client: httpx.AsyncClient, content: str, max_tokens: int,
-                 decoding: asyncio.Event | None = None) -> None:
-    body = {"model": "sim", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": content}]}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        chunks = 0
-        async for _ in r.aiter_raw():
-            chunks += 1
-            if decoding is not None and chunks >= 3:
-                decoding.set()
-
-
 async def load(base_url: str) -> None:
     """B streams; A (large) arrives and is held until B ends; C streams while A prefills."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        b_decoding = asyncio.Event()
-        b = asyncio.create_task(stream(client, "b" * 40, 150, b_decoding))
-        await b_decoding.wait()
-        a = asyncio.create_task(stream(client, "x" * 20_000, 20))
-        await b
-        await asyncio.sleep(0.05)
-        await stream(client, "c" * 40, 60)
-        await a
-        await asyncio.gather(*(stream(client, f"{i}" * 30, 20) for i in range(4)))
+    b_decoding = asyncio.Event()
+    b = asyncio.create_task(stream_events(base_url, 150, "b" * 40, b_decoding))
+    await b_decoding.wait()
+    a = asyncio.create_task(stream_events(base_url, 20, "x" * 20_000))
+    await b
+    await asyncio.sleep(0.05)
+    await stream_events(base_url, 60, "c" * 40)
+    await a
+    await asyncio.gather(*(stream_events(base_url, 20, f"{i}" * 30) for i in range(4)))
 
 
 def drive_paced_scheduler(tmp_path: Path, port: int) -> None:
     """A real PacedScheduler serving its metrics on `port`, stepped through a long prompt
     next to a stream (engine_patches' own harness plays the model runner)."""
-    pytest.importorskip("vllm") if os.environ.get("PREFILL_GATE_REQUIRE_ENGINE") != "1" else None
+    if os.environ.get("PREFILL_GATE_REQUIRE_ENGINE") != "1":
+        pytest.importorskip("vllm")
     from engine_patches.pacing import PacedScheduler
     from tests.engine.harness import Engine, build, model_dir
 
