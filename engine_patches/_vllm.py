@@ -1,7 +1,8 @@
 """The only module that imports vLLM internals.
 
 engine_patches is written against exactly one vLLM release: its scheduler subclasses
-read request fields and scheduler attributes that vLLM does not promise to keep. A
+read request fields and scheduler attributes, and its attention backend derives from the
+Triton backend's classes, none of which vLLM promises to keep. A
 different version fails here, at import, with a message that says what to install,
 rather than mis-scheduling in production.
 """
@@ -20,6 +21,17 @@ if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
     )
 
 from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -28,12 +40,20 @@ from vllm.v1.request import Request
 __all__ = [
     "SUPPORTED_VLLM",
     "AsyncScheduler",
+    "AttentionBackendEnum",
+    "AttentionCGSupport",
+    "AttentionType",
+    "CommonAttentionMetadata",
     "Request",
     "Scheduler",
     "SchedulerOutput",
+    "TritonAttentionBackend",
+    "TritonAttentionImpl",
+    "TritonAttentionMetadataBuilder",
     "decode_tokens",
     "init_logger",
     "is_decoding",
+    "register_backend",
 ]
 
 

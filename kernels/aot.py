@@ -89,7 +89,7 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     target = GPUTarget("cuda", arch, 32)
-    tile_n, num_warps = launch_config((arch // 10, arch % 10), split)
+    tile_n, num_warps, _ = launch_config((arch // 10, arch % 10), split)
     reports = []
     tile = {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": max(1, ROWS // group_pad), "HEAD_DIM": head_dim,
             "HEAD_DIM_PAD": head_dim_pad, "TILE_N": tile_n, "NUM_SPLITS": 8 if split else 1, "SPLIT": split,

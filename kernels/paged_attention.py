@@ -23,6 +23,8 @@ fp16 applies (no bf16); elsewhere fp16 and bf16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,27 @@ SPLIT_MAX_QUERY = 8  # rows with query length <= this take the split-KV path
 HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
-def launch_config(capability: tuple[int, int] | None, split: bool) -> tuple[int, int]:
+class LaunchConfig(NamedTuple):
+    tile_n: int  # KV positions per loop step
+    num_warps: int
+    num_stages: int | None = None  # Triton's software pipelining depth; None: its default
+
+
+class Scratch(NamedTuple):
+    """The split-KV path's partial results, one slot per (token, query head, split)."""
+
+    m: torch.Tensor  # [tokens, num_q_heads, splits] float32
+    l: torch.Tensor  # [tokens, num_q_heads, splits] float32
+    acc: torch.Tensor  # [tokens, num_q_heads, splits, head_dim] float32
+
+    @classmethod
+    def empty(cls, tokens: int, num_q_heads: int, splits: int, head_dim: int, device) -> Scratch:
+        m = torch.empty(tokens, num_q_heads, splits, dtype=torch.float32, device=device)
+        return cls(m, torch.empty_like(m),
+                   torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device))
+
+
+def launch_config(capability: tuple[int, int] | None, split: bool) -> LaunchConfig:
     """(TILE_N, num_warps) for a GPU and path. On sm_70 tl.dot runs on FMA with its
     operands in registers: 32 KV positions x head_dim 128 on 4 warps spilled ~10 KB
     (ptxas then capped itself at 32 registers); 16 positions on 8 warps (split-KV) or 16
@@ -42,8 +64,8 @@ def launch_config(capability: tuple[int, int] | None, split: bool) -> tuple[int,
     context against 32 positions; 8 warps or 128 positions were slower) and 32 on 4 warps
     for the 2-D path, without spills."""
     if capability is not None and capability < (7, 5):
-        return 16, 8 if split else 16
-    return (64, 4) if split else (32, 4)
+        return LaunchConfig(16, 8 if split else 16)
+    return LaunchConfig(64, 4) if split else LaunchConfig(32, 4)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -169,14 +191,22 @@ def _merge_splits(
     part_l_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32
     part_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    query_start_ptr,  # [num_seqs + 1] int32
     stride_o_t, stride_o_h,
-    num_q_heads,
+    num_q_heads, max_query_len,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # One program per (sequence, new-token index, head): only the launched sequences'
+    # tokens are written, whatever else ``out`` holds (a mixed batch's 2-D rows).
+    seq = tl.program_id(0) // max_query_len
+    i = tl.program_id(0) % max_query_len
     head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + seq)
+    if i >= tl.load(query_start_ptr + seq + 1) - q_start:
+        return
+    token = q_start + i
     base = (token * num_q_heads + head) * NUM_SPLITS
     splits = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -221,9 +251,18 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_quer
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, num_kv_splits: int | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    split: bool | None = None, scratch: Scratch | None = None,
+                    config: LaunchConfig | None = None) -> torch.Tensor:
     """Attention of every new token over its sequence's paged KV (see the module doc and
-    ``kernels.reference`` for the layouts and semantics). Returns ``out``."""
+    ``kernels.reference`` for the layouts and semantics). Returns ``out``.
+
+    ``split`` forces the path (None: split-KV when ``max_query_len`` <= SPLIT_MAX_QUERY).
+    ``scratch`` is the split path's partials buffer, for callers that must not allocate
+    per call (CUDA graphs): at least ``query_start_loc[-1]`` tokens and the splits used.
+    ``config`` overrides ``launch_config`` (tuning). The sequences may be a slice of a
+    larger batch: ``query_start_loc`` holds absolute token indices into ``q``/``out``.
+    """
     _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, out)
     if out is None:
         out = torch.empty_like(q)
@@ -235,18 +274,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, ROWS // group_pad)
     q_tiles = triton.cdiv(max_query_len, block_q)
-    split = max_query_len <= SPLIT_MAX_QUERY
+    if split is None:
+        split = max_query_len <= SPLIT_MAX_QUERY
     splits = triton.next_power_of_2(num_kv_splits or 8) if split else 1
     head_dim_pad = triton.next_power_of_2(head_dim)
-    tile_n, num_warps = launch_config(device_capability(q.device), split)
-    if split:
-        part_m = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    tile_n, num_warps, num_stages = config or launch_config(device_capability(q.device), split)
+    if not split:
+        part = Scratch(out, out, out)  # unused
+    elif scratch is None:
+        part = Scratch.empty(num_tokens, num_q_heads, splits, head_dim, q.device)
     else:
-        part_m = part_l = part_acc = out  # unused
+        fits = (scratch.acc.shape[0] >= num_tokens and tuple(scratch.acc.shape[1:]) == (num_q_heads, splits, head_dim)
+                and scratch.m.shape == scratch.l.shape == scratch.acc.shape[:3]
+                and all(t.is_contiguous() and t.dtype == torch.float32 for t in scratch))
+        if not fits:
+            raise ValueError(f"scratch {tuple(scratch.acc.shape)} does not fit [>= {num_tokens}, {num_q_heads}, "
+                             f"{splits}, {head_dim}] (contiguous float32)")
+        part = scratch
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _tile_attention[(num_seqs * q_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc,
+        q, k_cache, v_cache, out, part.m, part.l, part.acc,
         block_table, seq_lens, query_start_loc,
         float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1], q_tiles,
         q.stride(0), q.stride(1),
@@ -258,11 +305,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_n, NUM_SPLITS=splits, SPLIT=split, USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps,
+        num_warps=num_warps, **extra,
     )
     if split:
-        _merge_splits[(num_tokens, num_q_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_q_heads,
+        _merge_splits[(num_seqs * max_query_len, num_q_heads)](
+            part.m, part.l, part.acc, out, query_start_loc, out.stride(0), out.stride(1), num_q_heads, max_query_len,
             NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
         )
     return out

@@ -61,19 +61,17 @@ def model_dir(root: Path) -> Path:
     return path
 
 
-def build(
-    cls,
+def vllm_config(
     model: Path,
     *,
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 16,
     block_size: int = 16,
-    num_blocks: int = 10_000,
     hybrid_align: bool = False,
     num_spec_tokens: int = 0,
     async_scheduling: bool = False,
     long_prefill_token_threshold: int = 0,
-):
+) -> VllmConfig:
     max_model_len = 65536
     model_config = ModelConfig(
         model=str(model), skip_tokenizer_init=True, max_model_len=max_model_len,
@@ -102,13 +100,34 @@ def build(
             num_speculative_tokens=num_spec_tokens,
             prompt_lookup_max=4, prompt_lookup_min=2,
         )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         device_config=DeviceConfig(device="cpu"),
         speculative_config=speculative_config,
     )
+
+
+def build(
+    cls,
+    model: Path,
+    *,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 16,
+    block_size: int = 16,
+    num_blocks: int = 10_000,
+    hybrid_align: bool = False,
+    num_spec_tokens: int = 0,
+    async_scheduling: bool = False,
+    long_prefill_token_threshold: int = 0,
+):
+    config = vllm_config(
+        model, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        block_size=block_size, hybrid_align=hybrid_align, num_spec_tokens=num_spec_tokens,
+        async_scheduling=async_scheduling, long_prefill_token_threshold=long_prefill_token_threshold,
+    )
+    cache_config = config.cache_config
     groups = [
         KVCacheGroupSpec(
             ["attn"],
@@ -128,9 +147,9 @@ def build(
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=groups)
     return cls(
-        vllm_config=vllm_config,
+        vllm_config=config,
         kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        structured_output_manager=StructuredOutputManager(config),
         block_size=block_size,
         log_stats=True,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_patches.routing import classify_rows
+from engine_patches.routing import classify_rows, mode_from_env, split_query_cap
 
 
 def test_plain_decode_batch():
@@ -51,3 +51,17 @@ def test_modes():
 def test_bad_inputs(args, message):
     with pytest.raises(ValueError, match=message):
         classify_rows(*args)
+
+
+def test_verify_rows_stop_at_the_split_path_limit():
+    # k = 10: a 1 + 10-token verify row is longer than SPLIT_MAX_QUERY (8): 2-D
+    assert classify_rows([8, 9, 11], [False] * 3, 10) == ["verify", "prefill", "prefill"]
+    assert split_query_cap(10, "auto") == 8 and split_query_cap(3, "auto") == 4
+    assert split_query_cap(3, "0") == 1 and split_query_cap(0, "1") == 8
+
+
+def test_mode_from_env():
+    assert mode_from_env({}) == "auto"
+    assert mode_from_env({"PREFILL_GATE_SPEC_AS_DECODE": " 1 "}) == "1"
+    with pytest.raises(ValueError, match="PREFILL_GATE_SPEC_AS_DECODE='maybe'"):
+        mode_from_env({"PREFILL_GATE_SPEC_AS_DECODE": "maybe"})
