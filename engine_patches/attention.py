@@ -88,6 +88,12 @@ class SplitRowsMetadata:
     num_reqs: int
     use_cascade: bool = False
 
+    def __post_init__(self) -> None:
+        # Slices made once per step here, not once per layer in forward.
+        n = self.num_split
+        self.split_rows = (self.seq_lens[:n], self.query_start_loc[: n + 1])
+        self.rest_rows = (self.block_table[n:], self.seq_lens[n:], self.query_start_loc[n:])
+
 
 class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
     # Full graphs for uniform batches (all decodes, or all verifies of 1 + k); vLLM runs
@@ -224,16 +230,13 @@ class SplitRowsAttentionImpl(TritonAttentionImpl):
         common = {"scale": self.scale, "sliding_window": self.window, "softcap": self.softcap}
         if m.num_split:
             t = m.split_tokens
-            paged_attention(query[:t], key_cache, value_cache, m.block_table, m.seq_lens[: m.num_split],
-                            m.query_start_loc[: m.num_split + 1], max_query_len=m.max_split_query_len,
-                            out=output[:t], split=True, num_kv_splits=m.num_kv_splits, scratch=m.scratch,
-                            **common)
+            paged_attention(query[:t], key_cache, value_cache, m.block_table, *m.split_rows,
+                            max_query_len=m.max_split_query_len, out=output[:t], split=True,
+                            num_kv_splits=m.num_kv_splits, scratch=m.scratch, **common)
         if m.num_split < m.num_reqs:
-            n = m.num_split
             t = m.num_actual_tokens
-            paged_attention(query[:t], key_cache, value_cache, m.block_table[n:], m.seq_lens[n:],
-                            m.query_start_loc[n:], max_query_len=m.max_query_len, out=output[:t], split=False,
-                            **common)
+            paged_attention(query[:t], key_cache, value_cache, *m.rest_rows, max_query_len=m.max_query_len,
+                            out=output[:t], split=False, **common)
         return output
 
 

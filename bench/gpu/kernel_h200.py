@@ -2,11 +2,14 @@
 
     python3 bench/gpu/kernel_h200.py --json OUT.json      (on the device, after the recipe's setup)
 
+    python3 bench/gpu/kernel_h200.py --sweep --json OUT.json   (also tune the decode launch)
+
 Shapes (Qwen3-8B attention: 32 query heads, 8 KV heads, head dim 128, bf16): decode (1
 query token per sequence), verify (4), a prefill chunk (512), page sizes 16 and 1568,
-contexts 1k to 64k. Each shape: our kernel and vLLM's ``unified_attention`` (with its
+contexts 1k to 64k. Each shape: our kernel, vLLM's ``unified_attention`` (with its
 3-D split path configured as vLLM's Triton backend does: 16 segments, threshold 128 / KV
-heads) on the same inputs, timed with ``triton.testing.do_bench``; the achieved HBM
+heads) and vLLM's bundled FlashAttention 3 on the same inputs, timed with
+``triton.testing.do_bench``; the achieved HBM
 bandwidth for decode (KV bytes read / time) against a device-to-device copy measured in
 the same run; TFLOP/s for the prefill chunk; and our error against the float32 reference
 on a small case. Prints a table and writes JSON with the GPU and versions.
@@ -25,7 +28,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_attention import LaunchConfig, paged_attention  # noqa: E402
 from kernels.reference import paged_attention_ref  # noqa: E402
 from tests.kernels.cases import make_case  # noqa: E402
 
@@ -57,6 +60,19 @@ def vllm_runner(case: dict, out: torch.Tensor):
     return run
 
 
+def fa3_runner(case: dict, out: torch.Tensor):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    max_k = int(case["seq_lens"].max())
+
+    def run():
+        flash_attn_varlen_func(case["q"], case["k_cache"], case["v_cache"], case["max_query_len"],
+                               case["query_start_loc"], max_k, seqused_k=case["seq_lens"],
+                               softmax_scale=case["scale"], causal=True, block_table=case["block_table"], out=out,
+                               fa_version=3)
+    return run
+
+
 def gpu_case(page: int, context: int, batch: int, qlen: int) -> dict:
     """Random inputs made on the GPU (64k-token contexts are GBs), pages shuffled."""
     pages = -(-context // page)
@@ -77,22 +93,62 @@ def bench_shape(kind: str, page: int, context: int, batch: int, qlen: int, copy_
     ours = do_bench(lambda: paged_attention(**args, scale=case["scale"], max_query_len=qlen, out=ours_out),
                     warmup=10, rep=100)
     row = {"kind": kind, "page": page, "context": context, "batch": batch, "query_len": qlen, "ours_ms": ours}
-    try:
-        theirs_out = torch.empty_like(case["q"])
-        run = vllm_runner(case, theirs_out)
-        row["vllm_ms"] = do_bench(run, warmup=10, rep=100)
-        row["vllm_over_ours"] = row["vllm_ms"] / ours
-        row["max_abs_diff_vs_vllm"] = (ours_out.float() - theirs_out.float()).abs().max().item()
-    except Exception as exc:  # vLLM missing or its kernel refusing the shape
-        row["vllm_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    for name, make in (("vllm", vllm_runner), ("fa3", fa3_runner)):
+        try:
+            theirs_out = torch.empty_like(case["q"])
+            run = make(case, theirs_out)
+            row[f"{name}_ms"] = do_bench(run, warmup=10, rep=100)
+            row[f"{name}_over_ours"] = row[f"{name}_ms"] / ours
+            row[f"max_abs_diff_vs_{name}"] = (ours_out.float() - theirs_out.float()).abs().max().item()
+        except Exception as exc:  # vLLM missing or its kernel refusing the shape
+            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     kv_bytes = 2 * batch * context * HKV * D * 2
     row["ours_gbs"] = kv_bytes / (ours * 1e-3) / 1e9
     row["ours_fraction_of_copy"] = row["ours_gbs"] / copy_gbs
+    if "fa3_ms" in row:
+        row["fa3_fraction_of_copy"] = kv_bytes / (row["fa3_ms"] * 1e-3) / 1e9 / copy_gbs
     flops = 4 * batch * qlen * context * HQ * D  # QK^T and PV, causal halves ignored for decode
     if qlen > 8:
         flops = 4 * batch * HQ * D * sum(context - qlen + i + 1 for i in range(qlen))
     row["ours_tflops"] = flops / (ours * 1e-3) / 1e12
     return row
+
+
+SWEEP_TILES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4))
+SWEEP_GRID = [(splits, tile_n, warps, stages) for splits in (8, 16, 32) for tile_n, warps in SWEEP_TILES
+              for stages in (1, 2, 3)]
+
+
+def sweep(copy_gbs: float, configs, page: int, context: int, batch: int = 16, qlen: int = 1) -> list[dict]:
+    """Time (splits, TILE_N, warps, stages) configurations on one split-KV shape."""
+    case = gpu_case(page, context, batch, qlen)
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    out = torch.empty_like(case["q"])
+    kv_bytes = 2 * batch * context * HKV * D * 2
+    rows = []
+    for splits, tile_n, warps, stages in configs:
+        cfg = LaunchConfig(tile_n, warps, stages)
+        row = {"page": page, "context": context, "batch": batch, "query_len": qlen, "splits": splits,
+               "tile_n": tile_n, "num_warps": warps, "num_stages": stages}
+        try:
+            row["ms"] = do_bench(lambda cfg=cfg, splits=splits: paged_attention(
+                **args, scale=case["scale"], max_query_len=qlen, out=out, num_kv_splits=splits, config=cfg),
+                warmup=5, rep=40)
+            row["fraction_of_copy"] = kv_bytes / (row["ms"] * 1e-3) / 1e9 / copy_gbs
+        except Exception as exc:  # out of shared memory, registers
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+    done = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    for r in done[:6]:
+        print(f"sweep page={page} ctx={context} q={qlen} splits={r['splits']:<3} tile={r['tile_n']:<4} "
+              f"warps={r['num_warps']} stages={r['num_stages']} {r['ms']:.3f} ms "
+              f"({r['fraction_of_copy']:.0%} of copy)", flush=True)
+    return rows
+
+
+def best(rows: list[dict], n: int) -> list[tuple]:
+    done = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    return [(r["splits"], r["tile_n"], r["num_warps"], r["num_stages"]) for r in done[:n]]
 
 
 def accuracy() -> dict:
@@ -110,6 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true", help="fewer contexts")
+    p.add_argument("--sweep", action="store_true", help="also search the split-KV launch parameters")
     args = p.parse_args()
     copy_gbs = copy_bandwidth()
     rows = []
@@ -125,11 +182,18 @@ def main() -> None:
         print(f"{r['kind']:<8} page={r['page']:<5} ctx={r['context']:<6} b={r['batch']:<3} q={r['query_len']:<4} "
               f"ours={r['ours_ms']:.3f} ms vllm={r.get('vllm_ms', float('nan')):.3f} ms "
               f"vllm/ours={r.get('vllm_over_ours', float('nan')):.2f} "
+              f"fa3={r.get('fa3_ms', float('nan')):.3f} ms fa3/ours={r.get('fa3_over_ours', float('nan')):.2f} "
               f"{r['ours_gbs']:.0f} GB/s ({r['ours_fraction_of_copy']:.0%} of copy) {r['ours_tflops']:.1f} TFLOP/s "
-              f"{r.get('vllm_error', '')}", flush=True)
+              f"{r.get('vllm_error', '')} {r.get('fa3_error', '')}", flush=True)
+    sweeps = []
+    if args.sweep:
+        sweeps = sweep(copy_gbs, SWEEP_GRID, 1568, 65536)  # the issue's shape: the full grid
+        top = best(sweeps, 6) + [(8, 64, 4, None)]  # and today's default on the others
+        for page, context, qlen in ((1568, 8192, 1), (16, 65536, 1), (1568, 65536, 4), (16, 8192, 4)):
+            sweeps += sweep(copy_gbs, top, page, context, 16, qlen)
     record = {"bench": "kernel", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "python": platform.python_version(), "copy_gbs": copy_gbs,
-              "rows": rows, "relative_error": acc, "command": " ".join(sys.argv)}
+              "rows": rows, "sweep": sweeps, "relative_error": acc, "command": " ".join(sys.argv)}
     try:
         import vllm
         record["vllm"] = vllm.__version__
