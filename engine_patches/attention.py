@@ -134,9 +134,12 @@ class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
         routing sends there. CPU tensors only."""
         qsl = common.query_start_loc_cpu.numpy()
         query_lens = np.diff(qsl[: common.num_reqs + 1])
-        prefilling = common.is_prefilling
-        prefilling = (np.zeros(query_lens.shape, dtype=bool) if prefilling is None
-                      else prefilling[: common.num_reqs].numpy())
+        # vLLM's model runner V2 hands flags for the real rows only: the padding rows of a
+        # captured graph are not prefilling.
+        prefilling = np.zeros(query_lens.shape, dtype=bool)
+        if common.is_prefilling is not None:
+            flags = common.is_prefilling[: common.num_reqs].numpy()
+            prefilling[: flags.shape[0]] = flags
         classes = row_classes(query_lens, prefilling, self.num_spec_tokens, self.mode)
         later = np.flatnonzero(classes == PREFILL)
         n = int(later[0]) if later.size else common.num_reqs
@@ -203,7 +206,7 @@ class SplitRowsAttentionImpl(TritonAttentionImpl):
                          chunk_lookback)
         self.window = None if sliding_window is None else int(sliding_window)
         self.softcap = float(logits_soft_cap) if logits_soft_cap else None
-        self._checked_dtype = False
+        self._checked = False  # layouts and dtypes checked on the first call, not per layer
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False
@@ -214,7 +217,6 @@ class SplitRowsAttentionImpl(TritonAttentionImpl):
         if query.dtype == torch.bfloat16 and cap is not None and cap < (8, 0):
             raise ValueError(f"bfloat16 attention on sm_{cap[0]}{cap[1]}: run vLLM with --dtype float16 "
                              "(--attention-backend CUSTOM)")
-        self._checked_dtype = True
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -222,21 +224,24 @@ class SplitRowsAttentionImpl(TritonAttentionImpl):
             raise NotImplementedError("fused output quantization with --attention-backend CUSTOM")
         if attn_metadata is None:  # the profiling run
             return output.fill_(0)
-        if not self._checked_dtype:
+        validate = not self._checked
+        if validate:
             self._check_dtype(query)
         m: SplitRowsMetadata = attn_metadata
         # (blocks, kv_heads, page, 2 * head) -> K and V as (blocks, page, kv_heads, head) views
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        common = {"scale": self.scale, "sliding_window": self.window, "softcap": self.softcap}
         if m.num_split:
             t = m.split_tokens
-            paged_attention(query[:t], key_cache, value_cache, m.block_table, *m.split_rows,
+            paged_attention(query[:t], key_cache, value_cache, m.block_table, *m.split_rows, scale=self.scale,
                             max_query_len=m.max_split_query_len, out=output[:t], split=True,
-                            num_kv_splits=m.num_kv_splits, scratch=m.scratch, **common)
+                            num_kv_splits=m.num_kv_splits, scratch=m.scratch, sliding_window=self.window,
+                            softcap=self.softcap, validate=validate)
         if m.num_split < m.num_reqs:
             t = m.num_actual_tokens
-            paged_attention(query[:t], key_cache, value_cache, *m.rest_rows, max_query_len=m.max_query_len,
-                            out=output[:t], split=False, **common)
+            paged_attention(query[:t], key_cache, value_cache, *m.rest_rows, scale=self.scale,
+                            max_query_len=m.max_query_len, out=output[:t], split=False, sliding_window=self.window,
+                            softcap=self.softcap, validate=validate)
+        self._checked = True
         return output
 
 

@@ -23,6 +23,7 @@ fp16 applies (no bf16); elsewhere fp16 and bf16.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -71,7 +72,12 @@ def launch_config(capability: tuple[int, int] | None, split: bool) -> LaunchConf
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None  # Triton's interpreter on the CPU
-    return torch.cuda.get_device_capability(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @triton.jit
@@ -253,7 +259,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     split: bool | None = None, scratch: Scratch | None = None,
-                    config: LaunchConfig | None = None) -> torch.Tensor:
+                    config: LaunchConfig | None = None, validate: bool = True) -> torch.Tensor:
     """Attention of every new token over its sequence's paged KV (see the module doc and
     ``kernels.reference`` for the layouts and semantics). Returns ``out``.
 
@@ -262,8 +268,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     per call (CUDA graphs): at least ``query_start_loc[-1]`` tokens and the splits used.
     ``config`` overrides ``launch_config`` (tuning). The sequences may be a slice of a
     larger batch: ``query_start_loc`` holds absolute token indices into ``q``/``out``.
+    ``validate=False`` skips the argument checks (a caller on the hot path that checked
+    its layouts once). A split launch with one segment per row writes ``out`` directly.
     """
-    _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, out)
+    if validate:
+        _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, out)
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -279,6 +288,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = triton.next_power_of_2(num_kv_splits or 8) if split else 1
     head_dim_pad = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or launch_config(device_capability(q.device), split)
+    split = split and splits > 1  # one segment: the tile is the whole row, no merge needed
     if not split:
         part = Scratch(out, out, out)  # unused
     elif scratch is None:

@@ -12,7 +12,7 @@ t0=$(date +%s)
 for cfg in "TRITON_ATTN none" "CUSTOM none" "TRITON_ATTN ngram" "CUSTOM ngram"; do
   set -- $cfg
   VLLM_CACHE_ROOT=/root/vllm-cache-$1-$2 timeout "${WORKER_TIMEOUT:-500}" \
-    python3 bench/gpu/backend_h200.py worker --backend "$1" --spec "$2" --out "$RES" --lock "$RES/decode.lock" \
+    python3 bench/gpu/backend_h200.py worker --backend "$1" --spec "$2" --out "$RES" --lock "$RES/decode.lock" --expect 4 \
     > "$RES/$1-$2.log" 2>&1 &
   sleep "${STAGGER:-8}"
 done

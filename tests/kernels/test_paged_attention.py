@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import Scratch, paged_attention
 from kernels.reference import paged_attention_ref
 from tests.kernels.cases import make_case
 
@@ -58,6 +58,33 @@ def test_matches_the_reference(page, qlen, hq, hkv, head_dim, dtype, seed):
     context = page + 7 if page > 1 else 37
     case = make_case(page, [qlen], [context], hq, hkv, head_dim, dtype, seed)
     assert_close(*run(case), dtype)
+
+
+@pytest.mark.parametrize("two_d_first", [False, True])
+def test_a_batch_split_between_the_two_paths(two_d_first):
+    """The CUSTOM backend's use: leading rows on the split path with a caller-owned scratch,
+    the rest forced onto the 2-D path (short rows included). Each launch writes only its
+    own rows, in either order."""
+    case = make_case(16, [1, 4, 3, 2, 40], [90, 33, 200, 70, 41], 8, 2, 64, torch.float32, random.randrange(1 << 30))
+    q, k, v, bt, sl, qsl = (case[n] for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc"))
+    out = torch.full_like(q, float("nan"))
+    scratch = Scratch.empty(8, 8, 4, 64, "cpu")
+
+    def split_rows():
+        paged_attention(q[:8], k, v, bt, sl[:2], qsl[:3], scale=case["scale"], max_query_len=4, out=out[:8],
+                        split=True, num_kv_splits=4, scratch=scratch)
+
+    def other_rows():
+        paged_attention(q, k, v, bt[2:], sl[2:], qsl[2:], scale=case["scale"], max_query_len=40, out=out,
+                        split=False)
+
+    for launch in ((other_rows, split_rows) if two_d_first else (split_rows, other_rows)):
+        launch()
+    ref = paged_attention_ref(q, k, v, bt, sl, qsl, scale=case["scale"])
+    assert_close(out, ref, torch.float32)
+    with pytest.raises(ValueError, match="scratch"):
+        paged_attention(q[:8], k, v, bt, sl[:2], qsl[:3], scale=case["scale"], max_query_len=4, out=out[:8],
+                        split=True, num_kv_splits=8, scratch=scratch)
 
 
 @pytest.mark.parametrize("page", [16, 544])
