@@ -89,7 +89,7 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     target = GPUTarget("cuda", arch, 32)
-    tile_n, num_warps, _ = launch_config((arch // 10, arch % 10), split)
+    tile_n, num_warps, num_stages = launch_config((arch // 10, arch % 10), split)
     reports = []
     tile = {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": max(1, ROWS // group_pad), "HEAD_DIM": head_dim,
             "HEAD_DIM_PAD": head_dim_pad, "TILE_N": tile_n, "NUM_SPLITS": 8 if split else 1, "SPLIT": split,
@@ -99,7 +99,10 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     for fn, constexprs in kernels:
         src = ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs), constexprs=constexprs)
         warps = num_warps if fn is _tile_attention else 4
-        compiled = triton.compile(src, target=target, options={"num_warps": warps})
+        options = {"num_warps": warps}
+        if fn is _tile_attention and num_stages is not None:
+            options["num_stages"] = num_stages
+        compiled = triton.compile(src, target=target, options=options)
         res = _ptxas(compiled.asm["ptx"], arch)
         reports.append(Report(fn.__name__, warps, arch, dtype, head_dim, split, **res))
     return reports

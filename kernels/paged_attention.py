@@ -56,17 +56,21 @@ class Scratch(NamedTuple):
 
 
 def launch_config(capability: tuple[int, int] | None, split: bool) -> LaunchConfig:
-    """(TILE_N, num_warps) for a GPU and path. On sm_70 tl.dot runs on FMA with its
-    operands in registers: 32 KV positions x head_dim 128 on 4 warps spilled ~10 KB
+    """(TILE_N, num_warps, num_stages) for a GPU and path. On sm_70 tl.dot runs on FMA with
+    its operands in registers: 32 KV positions x head_dim 128 on 4 warps spilled ~10 KB
     (ptxas then capped itself at 32 registers); 16 positions on 8 warps (split-KV) or 16
     warps (2-D, which also holds the output conversion) fit in 154 / 128 registers without
-    spilling (`python -m kernels.aot` reports it). Tensor-core GPUs take 64 positions on
-    4 warps for split-KV (on the H200, decode went from 57% to 65% of copy bandwidth at 64k
-    context against 32 positions; 8 warps or 128 positions were slower) and 32 on 4 warps
-    for the 2-D path, without spills."""
+    spilling (`python -m kernels.aot` reports it). Tensor-core GPUs: split-KV takes 64
+    positions on 2 warps with 2 pipeline stages, found by `bench/gpu/kernel_h200.py --sweep`
+    over 54 configurations on the H200 (decode at page 1568, 64k context: 95% of copy
+    bandwidth against 65% with 4 warps and Triton's default 3 stages; 81% against 58% at
+    8k; the same winner at page 16 and for verify rows). At head_dim 128 that launch spills
+    ~1 KB per thread on sm_80/sm_90 (`kernels.aot`; it stays in L1 and the kernel is still
+    the fastest measured); the no-spill 4-warp launch was the 65% one. The 2-D path takes
+    32 positions on 4 warps, without spills."""
     if capability is not None and capability < (7, 5):
         return LaunchConfig(16, 8 if split else 16)
-    return LaunchConfig(64, 4) if split else LaunchConfig(32, 4)
+    return LaunchConfig(64, 2, 2) if split else LaunchConfig(32, 4)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
