@@ -191,7 +191,7 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
 def cmd_bench_upstream(args: argparse.Namespace) -> int:
     from .bench.overhead import serve_stamp
 
-    serve_stamp(args.port)
+    serve_stamp(args.port, args.procs)
     return 0
 
 
@@ -257,11 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-cpu", type=int, default=None, metavar="N",
                    help="pin the proxy to CPU N and the upstream and load generator to the others "
                         "(a machine with spare cores: the proxy's own rate, not the machine's)")
+    p.add_argument("--load-procs", type=int, default=1, metavar="N",
+                   help="load-generator processes (one tops out near 5,000 chunks/s)")
+    p.add_argument("--upstream-procs", type=int, default=1, metavar="N", help="stamping upstream processes")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench_overhead)
 
     p = sub.add_parser("bench-upstream", help=argparse.SUPPRESS)  # the overhead bench's stamping upstream
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--procs", type=int, default=1)
     p.set_defaults(func=cmd_bench_upstream)
 
     p = sub.add_parser("demo", help="simulator + proxy: the starvation and the fix, side by side")

@@ -9,11 +9,17 @@ configured base URL and a path that the app's routes allow.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import httpx
 
-from .errors import UpstreamError, UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
+from .errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from .fasthttp import FastTransport
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
@@ -54,15 +60,10 @@ def mapped_errors(upstream: str):
 
 
 class UpstreamClient:
-    """Requests to the upstreams over a few independent httpx pools.
-
-    httpcore's pool does linear bookkeeping over all of its connections whenever a
-    request starts or ends; with hundreds of open streams that became the proxy's
-    largest cost (profiled with py-spy: ~28% of the process). Requests fill the pools
-    in order, ``SHARD_STREAMS`` at a time, so that each stays small while a quiet
-    proxy keeps reusing the warm connections of its first pool."""
-
-    SHARD_STREAMS = 32
+    """Requests to the upstreams over one httpx client on ``FastTransport`` (asyncio and
+    httptools; see ``proxy.fasthttp`` for why not httpx's own transport). Tests pass an
+    in-memory ``transport`` instead. Proxies from the environment are ignored: only the
+    configured upstreams are ever contacted, directly."""
 
     def __init__(
         self,
@@ -74,28 +75,18 @@ class UpstreamClient:
         api_key: str | None = None,
         drop_client_auth: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
-        shards: int = 8,
     ):
         self.urls = list(urls)
         self.api_key = api_key
         self.drop_client_auth = drop_client_auth
-        per_shard = max(1, -(-max_connections // shards))
-        self._clients = [
-            httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout,
-                                      pool=connect_timeout),
-                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard,
-                                    keepalive_expiry=30.0),
-                transport=transport,
-            )
-            for _ in range(shards)
-        ]
-        self._inflight = [0] * shards
-        self._client = self._clients[0]  # for the occasional small request
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
+            transport=transport or FastTransport(max_connections=max_connections),
+            trust_env=False,
+        )
 
     async def aclose(self) -> None:
-        for client in self._clients:
-            await client.aclose()
+        await self._client.aclose()
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -107,25 +98,15 @@ class UpstreamClient:
         if upstream not in self.urls:
             raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
         url = upstream + path + (f"?{query}" if query else "")
-        shard = self._pick_shard()
-        client = self._clients[shard]
-        req = client.build_request(method, url, headers=request_headers(headers, self.api_key, self.drop_client_auth), content=content)
-        self._inflight[shard] += 1
+        client = self._client
+        req = client.build_request(method, url, headers=request_headers(headers, self.api_key, self.drop_client_auth),
+                                   content=content)
+        with mapped_errors(upstream):
+            resp = await client.send(req, stream=True)
         try:
-            with mapped_errors(upstream):
-                resp = await client.send(req, stream=True)
-            try:
-                yield resp
-            finally:
-                await resp.aclose()
+            yield resp
         finally:
-            self._inflight[shard] -= 1
-
-    def _pick_shard(self) -> int:
-        for i, n in enumerate(self._inflight):
-            if n < self.SHARD_STREAMS:
-                return i
-        return min(range(len(self._inflight)), key=self._inflight.__getitem__)
+            await resp.aclose()
 
     async def post_json(self, upstream: str, path: str, payload: dict, timeout: float | None = None) -> dict:
         with mapped_errors(upstream):

@@ -6,7 +6,8 @@ machine). The client measures, per chunk, arrival minus that stamp, and per requ
 the time to the first chunk; once straight at the upstream, once through a
 prefill-gate process in front of it. The difference is what the proxy adds.
 
-    prefill-gate bench overhead [--streams 1,100,500] [--tokens 64] [--json FILE]
+    prefill-gate bench overhead [--streams 1,100,500] [--tokens 64] [--proxy-cpu N]
+                                [--load-procs N] [--upstream-procs N] [--json FILE]
 
 Levels: each concurrency at a modest per-stream rate (streams tick at their own
 phases), then a ramp of the total chunk rate (100 streams) to find the highest rate
@@ -15,14 +16,20 @@ every stream's chunk in one tick (as one vLLM step emits every stream's token): 
 the p99 also holds the queueing of a whole burst. By default client, upstream and proxy
 share the machine's cores: the rates are what one proxy process sustains *here*, with its
 load generator beside it. With ``--proxy-cpu N`` the proxy gets CPU N to itself and the
-upstream and client the other CPUs: what one proxy process sustains on one core.
+upstream and client the other CPUs: what one proxy process sustains on one core. One
+load process parses ~5,000 chunks/s and one upstream process writes about as many, so
+finding a proxy's limit above that takes ``--load-procs`` and ``--upstream-procs`` > 1
+(processes on one listening socket; the load split evenly).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -129,7 +136,9 @@ async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delay
         writer.close()
 
 
-async def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = False) -> dict:
+async def _measure_part(url: str, streams: int, tokens: int, interval: float, sync: bool, offset: float,
+                        total: int) -> tuple[list, list, float]:
+    """This process's share of the streams: (TTFTs, chunk delays, wall seconds)."""
     ttfts: list[float] = []
     delays: list[float] = []
     await _one_stream(url, 2, 0.001, [], [])  # warm the path (the proxy's upstream pool)
@@ -138,21 +147,42 @@ async def measure(url: str, streams: int, tokens: int, interval: float, sync: bo
     spread = min(1.0, tokens * interval / 2)
 
     async def staggered(k: int) -> None:
-        await asyncio.sleep(spread * k / streams)
+        await asyncio.sleep(spread * (offset + k * total / max(1, streams)) / total)
         await _one_stream(url, tokens, interval, ttfts, delays, sync)
 
-    rounds = max(1, 20 // streams)  # at least 20 TTFT samples per level
+    rounds = max(1, 20 // total)  # at least 20 TTFT samples per level
     for _ in range(rounds):
         await asyncio.gather(*(staggered(k) for k in range(streams)))
-    wall = time.monotonic() - t0
+    return ttfts, delays, time.monotonic() - t0
+
+
+def _part(args: tuple) -> tuple[list, list, float]:
+    return asyncio.run(_measure_part(*args))
+
+
+def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = False, procs: int = 1) -> dict:
+    """Every stream's TTFT and per-chunk delay; the streams spread over `procs` load
+    processes (one asyncio process tops out near 5,000 chunks/s of its own parsing)."""
+    procs = max(1, min(procs, streams))
+    shares = [streams // procs + (i < streams % procs) for i in range(procs)]
+    parts = [(url, n, tokens, interval, sync, i, procs) for i, n in enumerate(shares)]
+    if procs == 1:
+        results = [_part(parts[0])]
+    else:
+        with multiprocessing.get_context("fork").Pool(procs) as pool:
+            results = pool.map(_part, parts)
+    ttfts = [t for r in results for t in r[0]]
+    delays = [d for r in results for d in r[1]]
+    wall = max(r[2] for r in results)
     return {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
             "chunk_ms_p50": percentile(delays, 50) * 1e3, "chunk_ms_p99": percentile(delays, 99) * 1e3,
             "chunks": len(delays), "chunks_per_s": len(delays) / wall}
 
 
-async def compare(direct: str, proxied: str, streams: int, tokens: int, interval: float, sync: bool = False) -> dict:
-    d = await measure(direct, streams, tokens, interval, sync)
-    p = await measure(proxied, streams, tokens, interval, sync)
+def compare(direct: str, proxied: str, streams: int, tokens: int, interval: float, sync: bool = False,
+            procs: int = 1) -> dict:
+    d = measure(direct, streams, tokens, interval, sync, procs)
+    p = measure(proxied, streams, tokens, interval, sync, procs)
     return {"streams": streams, "target_chunks_per_s": streams / interval, "direct": d, "proxy": p,
             "added_ttft_ms_p50": p["ttft_ms_p50"] - d["ttft_ms_p50"],
             "added_ttft_ms_p99": p["ttft_ms_p99"] - d["ttft_ms_p99"],
@@ -183,23 +213,25 @@ def main(args) -> int:
                              f"{sorted(available)}, or no CPU left for the others")
         proxy_cpus, others = {args.proxy_cpu}, available - {args.proxy_cpu}
         os.sched_setaffinity(0, others)
-    with Service("bench-upstream", name="stamp", cpus=others) as up, \
+    load_procs = max(1, getattr(args, "load_procs", 1) or 1)
+    upstream_procs = max(1, getattr(args, "upstream_procs", 1) or 1)
+    with Service("bench-upstream", "--procs", str(upstream_procs), name="stamp", cpus=others) as up, \
             Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy",
                     cpus=proxy_cpus) as gate:
         for streams in levels:
             interval = max(0.01, streams / 5000)  # at most ~5k chunks/s for the concurrency levels
             print(f"[overhead] {streams} streams at {1 / interval:.0f} chunks/s each", file=sys.stderr)
-            rows.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, interval)))
+            rows.append(compare(up.url, gate.url, streams, args.tokens, interval, procs=load_procs))
         for rate in (2000, 4000, 6000, 8000, 10000, 12000, 15000, 20000, 25000, 30000):
             print(f"[overhead] ramp: 100 streams, {rate} chunks/s in total", file=sys.stderr)
-            row = asyncio.run(compare(up.url, gate.url, 100, max(args.tokens, rate // 50), 100 / rate))
+            row = compare(up.url, gate.url, 100, max(args.tokens, rate // 50), 100 / rate, procs=load_procs)
             ramp.append(row)
             if not _sustained(row):
                 break
         for streams in levels[1:]:
             print(f"[overhead] {streams} streams in synchronized steps", file=sys.stderr)
-            synced.append(asyncio.run(compare(up.url, gate.url, streams, args.tokens, max(0.01, streams / 5000),
-                                              sync=True)))
+            synced.append(compare(up.url, gate.url, streams, args.tokens, max(0.01, streams / 5000), sync=True,
+                                  procs=load_procs))
     ok = [r for r in rows + ramp if _sustained(r)]
     best = max((r["relayed_chunks_per_s"] for r in ok), default=0.0)
     print(table(rows, COLUMNS))
@@ -210,11 +242,31 @@ def main(args) -> int:
     print(f"\nhighest relayed rate with added p99 per-chunk delay <= 5 ms: {best:.0f} chunks/s")
     if args.json:
         write_json(args.json, {"bench": "overhead", "levels": rows, "ramp": ramp, "synchronized": synced, "max_chunks_per_s": best,
-                               "proxy_cpu": getattr(args, "proxy_cpu", None), **environment()})
+                               "proxy_cpu": getattr(args, "proxy_cpu", None), "load_procs": load_procs,
+                               "upstream_procs": upstream_procs, **environment()})
     return 0
 
 
-def serve_stamp(port: int) -> None:
+def serve_stamp(port: int, procs: int = 1) -> None:
+    """The stamping upstream; `procs` processes accept on one listening socket."""
+    import socket
+
     import uvicorn
 
-    uvicorn.run(stamp_app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(4096)
+    children = []
+    for _ in range(procs - 1):
+        pid = os.fork()
+        if pid == 0:
+            children = []
+            break
+        children.append(pid)
+    try:
+        uvicorn.Server(uvicorn.Config(stamp_app, log_level="warning", lifespan="on")).run(sockets=[sock])
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)

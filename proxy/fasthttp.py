@@ -1,0 +1,312 @@
+"""An httpx transport for the upstream streams: asyncio protocols and httptools' C parser.
+
+httpx's default transport (httpcore over h11 and anyio) parses every relayed chunk in
+pure Python and wraps every read in an anyio cancel scope for its timeout; profiled under
+load that was most of the proxy's per-chunk CPU. This transport keeps httpx's API (the
+client, its requests and responses, its exceptions, which `upstream.mapped_errors`
+translates) and replaces what runs per chunk: `data_received` feeds httptools, body
+bytes queue on the connection, and the response stream hands the consumer everything
+that arrived since its last read as one bytes object (a proxy that falls behind relays
+bigger batches instead of more of them).
+
+What it does and does not do:
+  * HTTP/1.1 to the configured upstreams, plain or TLS; keep-alive connections reused
+    per origin (idle ones expire, and one the server closed is never handed out); a
+    response not read to its end closes its connection, which is how vLLM learns the
+    client left (it aborts the request and frees its KV cache).
+  * Timeouts from the request (httpx.Timeout): connect, read (per wait for bytes), write,
+    pool (waiting for a free connection slot).
+  * Bounded buffering: past `HIGH_WATER` unread bytes the socket stops being read.
+  * A request on a reused connection that the server closed before answering is sent
+    again once on a fresh connection (the server closed an idle keep-alive; nothing of
+    the request was processed).
+  * No proxies from the environment, no HTTP/2, no request body streaming beyond
+    reading it whole (the proxy's bodies are bounded by max_body_bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+
+import httptools
+import httpx
+
+HIGH_WATER = 1 << 20  # unread body bytes per connection before the socket is paused
+LOW_WATER = 1 << 18
+
+
+class _Closed(Exception):
+    """The server closed the connection before the response head (retryable if reused)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection; one response at a time."""
+
+    def __init__(self, origin: tuple) -> None:
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.keep_alive = False
+        self.until_eof = False  # a body delimited by the connection's end (no length, no chunks)
+        self.complete = False
+        self.error: Exception | None = None
+        self.any_bytes = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future | None = None
+
+    # ---------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.any_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("upstream tried to upgrade the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed HTTP from upstream: {exc}"))
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.head_done and self.until_eof and exc is None:
+            self.complete = True
+        if not self.complete and self.error is None:
+            if not self.any_bytes:
+                self.error = _Closed()
+            else:
+                self.error = httpx.ReadError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}")
+        self._wake()
+
+    def eof_received(self):
+        return False  # close our side too
+
+    # --------------------------------------------------------- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # an interim answer (100 Continue): wait for the real one
+            self.headers = []
+            return
+        self.head_done = True
+        self.keep_alive = self.parser.should_keep_alive()  # valid only inside the callbacks
+        names = {name.lower() for name, _ in self.headers}
+        self.until_eof = b"content-length" not in names and b"transfer-encoding" not in names
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+
+    # ------------------------------------------------------------------- helpers
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        self.close()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until the parser made progress, the connection ended, or `timeout` passed."""
+        loop = asyncio.get_running_loop()
+        self.waiter = fut = loop.create_future()
+        timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
+        try:
+            await fut
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def take(self) -> bytes:
+        """Every body byte that arrived since the last call, as one object."""
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and not self.closed and self.error is None and self.keep_alive
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    def __init__(self, pool: FastTransport, conn: _Connection, read_timeout: float | None, no_body: bool) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._timeout = read_timeout
+        self._done = no_body
+        self._released = False
+
+    async def __aiter__(self):
+        conn = self._conn
+        while not self._done:
+            if conn.chunks:
+                yield conn.take()
+            elif conn.complete:
+                self._done = True
+            elif conn.error is not None:
+                raise conn.error if not isinstance(conn.error, _Closed) else httpx.ReadError("upstream closed")
+            else:
+                try:
+                    await conn.wait(self._timeout)
+                except TimeoutError:
+                    raise httpx.ReadTimeout(f"no bytes from upstream for {self._timeout} s") from None
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        if self._done and conn.reusable():
+            self._pool._give_back(conn)
+        else:  # unread body: closing the connection is the abort signal upstream
+            self._pool._discard(conn)
+        self._pool._release_slot()
+
+
+class FastTransport(httpx.AsyncBaseTransport):
+    """httpx transport: asyncio + httptools, keep-alive pool per origin."""
+
+    def __init__(self, max_connections: int = 4096, max_idle_per_origin: int = 256,
+                 keepalive_expiry: float = 4.0, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._slots = asyncio.Semaphore(max_connections) if max_connections else None
+        self._idle: dict[tuple, collections.deque[_Connection]] = {}
+        self._max_idle = max_idle_per_origin
+        self._expiry = keepalive_expiry  # under uvicorn's default 5 s keep-alive on the vLLM side
+        self._ssl = ssl_context
+        self._open: set[_Connection] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        url = request.url
+        scheme = url.scheme
+        if scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"{scheme!r} URLs are not supported")
+        origin = (scheme, url.host, url.port or (443 if scheme == "https" else 80))
+        body = await request.aread()
+        head = bytearray(b"%s %s HTTP/1.1\r\n" % (request.method.encode(), url.raw_path))
+        for name, value in request.headers.raw:
+            head += name + b": " + value + b"\r\n"
+        head += b"\r\n"
+        payload = bytes(head) + body
+        if self._slots is not None:
+            try:
+                await asyncio.wait_for(self._slots.acquire(), timeouts.get("pool"))
+            except TimeoutError:
+                raise httpx.PoolTimeout("no free upstream connection slot in time") from None
+        try:  # the slot is the response stream's from here; released here only on failure
+            for attempt in (0, 1):
+                conn, reused = await self._checkout(origin, timeouts.get("connect"))
+                try:
+                    return await self._exchange(conn, request, payload, timeouts)
+                except _Closed:
+                    if not reused or attempt:
+                        raise httpx.RemoteProtocolError("upstream closed the connection without answering") from None
+        except BaseException:
+            self._release_slot()
+            raise
+
+    async def _exchange(self, conn: _Connection, request: httpx.Request, payload: bytes, timeouts) -> httpx.Response:
+        conn.transport.write(payload)
+        read_timeout = timeouts.get("read")
+        try:
+            while not conn.head_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(read_timeout)
+        except TimeoutError:
+            self._discard(conn)
+            raise httpx.ReadTimeout(f"no response head from upstream in {read_timeout} s") from None
+        except BaseException:  # an error, or the client left while we waited: abort
+            self._discard(conn)
+            raise
+        no_body = request.method == "HEAD" or conn.status in (204, 304)
+        stream = _ResponseStream(self, conn, read_timeout, no_body)
+        return httpx.Response(conn.status, headers=conn.headers, stream=stream,
+                              extensions={"http_version": b"HTTP/1.1"})
+
+    async def _checkout(self, origin: tuple, connect_timeout: float | None) -> tuple[_Connection, bool]:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the likeliest to be alive
+            if not conn.closed and now - conn.idle_since < self._expiry:
+                conn._reset()
+                return conn, True
+            self._discard(conn)
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        ctx = None
+        if scheme == "https":
+            ctx = self._ssl or ssl.create_default_context()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(origin), host, port, ssl=ctx,
+                                       server_hostname=host if ctx else None),
+                connect_timeout)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+        self._open.add(conn)
+        return conn, False
+
+    def _give_back(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.origin, collections.deque())
+        if len(idle) >= self._max_idle:
+            self._discard(conn)
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _discard(self, conn: _Connection) -> None:
+        conn.close()
+        self._open.discard(conn)
+
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def aclose(self) -> None:
+        for conn in list(self._open):
+            conn.close()
+        self._open.clear()
+        self._idle.clear()

@@ -1,0 +1,273 @@
+"""proxy.fasthttp.FastTransport against raw loopback servers that write exact bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from proxy import fasthttp
+from proxy.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
+from proxy.fasthttp import FastTransport
+from proxy.upstream import mapped_errors
+
+HEAD_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Server:
+    """asyncio.start_server on a free port; `handler(reader, writer, server)` per connection."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.connections = 0
+        self.closed = asyncio.Event()  # a connection saw EOF from the client
+        self.events: dict[str, asyncio.Event] = {}
+
+    def event(self, name: str) -> asyncio.Event:
+        return self.events.setdefault(name, asyncio.Event())
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self):
+        self.srv = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.srv.close()
+
+
+async def read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + (await reader.readexactly(length) if length else b"")
+
+
+def client(**kw) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(connect=2.0, read=kw.pop("read", 5.0), write=5.0, pool=kw.pop("pool", 2.0))
+    return httpx.AsyncClient(transport=FastTransport(**kw), timeout=timeout, trust_env=False)
+
+
+async def test_chunks_arrive_as_they_are_written():
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE + chunk(b"data: 1\n\n"))
+        await srv.event("first_seen").wait()  # the second chunk only after the client has the first
+        writer.write(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"] == "text/event-stream"
+            got = []
+            async for data in resp.aiter_raw():
+                got.append(data)
+                srv.event("first_seen").set()
+        assert b"".join(got) == b"data: 1\n\ndata: 2\n\n" and got[0] == b"data: 1\n\n"
+
+
+async def test_the_request_goes_out_whole():
+    seen = []
+
+    async def handler(reader, writer, srv):
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        resp = await c.post(srv.url + "/v1/completions?x=1", content=b'{"a": 1}', headers={"x-k": "v"})
+        assert resp.text == "ok"
+    req = seen[0]
+    assert req.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\n") and req.endswith(b'\r\n\r\n{"a": 1}')
+    assert b"x-k: v\r\n" in req.lower() and b"content-length: 8\r\n" in req.lower()
+
+
+async def test_keep_alive_connections_are_reused():
+    async def handler(reader, writer, srv):
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        for _ in range(5):
+            assert (await c.get(srv.url + "/v1/models")).text == "ok"
+        assert srv.connections == 1
+
+
+async def test_closing_a_stream_early_closes_the_connection():
+    """How vLLM learns the client left: its connection closes."""
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        assert await reader.read() == b""  # EOF: the proxy hung up
+        srv.closed.set()
+
+    async with Server(handler) as srv, client() as c:
+        async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
+            async for _ in resp.aiter_raw():
+                break
+        await asyncio.wait_for(srv.closed.wait(), 2)
+
+
+async def test_a_server_that_closed_an_idle_connection_costs_nothing():
+    """uvicorn closes idle keep-alives after 5 s: the next request takes a fresh connection."""
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()  # then close, as a keep-alive timeout would
+
+    async with Server(handler) as srv, client() as c:
+        assert (await c.get(srv.url + "/a")).text == "ok"
+        await asyncio.sleep(0.05)  # the close reaches the pooled connection
+        assert (await c.get(srv.url + "/b")).text == "ok"
+        assert srv.connections == 2
+
+
+async def test_a_stale_connection_is_retried_once_on_a_fresh_one(monkeypatch):
+    """The race: the pooled connection dies between checkout and answer, nothing answered."""
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        if srv.connections == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            await read_request(reader)  # the second request on this connection: drop it unanswered
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfresh")
+        await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        assert (await c.get(srv.url + "/a")).text == "ok"
+        assert (await c.get(srv.url + "/b")).text == "fresh"
+
+
+async def test_read_timeout_between_chunks():
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Server(handler) as srv, client(read=0.2) as c:
+        async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
+            with pytest.raises(httpx.ReadTimeout):
+                async for _ in resp.aiter_raw():
+                    pass
+        with pytest.raises(UpstreamTimeout), mapped_errors("u"):
+            async with c.stream("POST", srv.url + "/x", content=b"{}") as resp:
+                async for _ in resp.aiter_raw():
+                    pass
+
+
+async def test_silence_before_the_head_is_a_read_timeout():
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async with Server(handler) as srv, client(read=0.2) as c:
+        with pytest.raises(UpstreamTimeout), mapped_errors("u"):
+            await c.get(srv.url + "/x")
+
+
+async def test_unreachable_and_garbage_upstreams_map_to_our_errors():
+    async def garbage(reader, writer, srv):
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+
+    async def cut(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE + chunk(b"data: 1\n\n"))
+        await writer.drain()  # and close mid-stream
+
+    async with client() as c:
+        with pytest.raises(UpstreamUnavailable), mapped_errors("u"):
+            await c.get("http://127.0.0.1:1/x")
+        async with Server(garbage) as srv:
+            with pytest.raises(UpstreamProtocolError), mapped_errors("u"):
+                await c.get(srv.url + "/x")
+        async with Server(cut) as srv:
+            with pytest.raises(UpstreamProtocolError), mapped_errors("u"):
+                async with c.stream("POST", srv.url + "/x", content=b"{}") as resp:
+                    async for _ in resp.aiter_raw():
+                        pass
+
+
+async def test_bodies_without_chunking_and_without_bodies():
+    async def handler(reader, writer, srv):
+        req = await read_request(reader)
+        if req.startswith(b"HEAD"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+        elif b"/empty" in req:
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        else:  # a body delimited by the connection's end
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        assert (await c.get(srv.url + "/close")).text == "until the end"
+        assert (await c.get(srv.url + "/empty")).status_code == 204
+        head = await c.head(srv.url + "/h")
+        assert head.status_code == 200 and head.content == b""
+
+
+async def test_the_connection_limit_queues_then_times_out():
+    release = asyncio.Event()
+
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE)
+        await writer.drain()
+        await release.wait()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(handler) as srv, client(max_connections=1, pool=0.2) as c:
+        async with c.stream("POST", srv.url + "/x", content=b"{}"):
+            with pytest.raises(httpx.PoolTimeout):
+                await c.post(srv.url + "/y", content=b"{}")
+        # the slot came back when the first response closed
+        release.set()
+        async with c.stream("POST", srv.url + "/z", content=b"{}") as resp:
+            await resp.aread()
+
+
+async def test_a_slow_reader_pauses_the_socket(monkeypatch):
+    """Bounded buffering: the transport stops reading past HIGH_WATER unread bytes."""
+    monkeypatch.setattr(fasthttp, "HIGH_WATER", 1 << 16)
+    body = b"x" * (1 << 22)
+
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+        with contextlib.suppress(ConnectionError):
+            writer.write(body)
+            await writer.drain()
+
+    async with Server(handler) as srv, client() as c:
+        async with c.stream("GET", srv.url + "/big") as resp:
+            stream = resp.stream._stream if hasattr(resp.stream, "_stream") else resp.stream
+            await asyncio.sleep(0.3)  # the server writes as fast as it can; we do not read
+            conn = stream._conn
+            assert conn.paused and conn.buffered < len(body) // 4
+            total = 0
+            async for data in resp.aiter_raw():
+                total += len(data)
+        assert total == len(body)
