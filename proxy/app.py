@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .admission import AdmissionPolicy, Limits
 from .auth import OPEN_PATHS, KeyCheck
-from .errors import ProxyError, Unauthorized
+from .errors import HeadersTooLarge, ProxyError, Unauthorized
 from .estimate import (
     Calibrator,
     Estimator,
@@ -159,6 +159,13 @@ class GateApp:
         self.api = api
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.state.settings.max_header_bytes:
+                exc = HeadersTooLarge(f"request headers are {size} bytes; the limit is "
+                                      f"{self.state.settings.max_header_bytes} (max_header_bytes)")
+                await exc.response()(scope, receive, send)
+                return
         keys = self.state.keys
         if keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)

@@ -76,6 +76,12 @@ class BodyTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class HeadersTooLarge(ProxyError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+
+
 class QueueFull(ProxyError):
     status = 429
     type = "rate_limit_error"

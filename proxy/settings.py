@@ -93,6 +93,9 @@ class Settings(BaseModel):
 
     # --- limits and timeouts ---------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest total size of a request's header names and values (431 above)."
+    )
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to an upstream (502 after).")
     read_timeout: float = Field(
         600.0, gt=0, description="Seconds an upstream may stay silent (no response, no chunk) before 504."

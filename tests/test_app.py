@@ -3,8 +3,9 @@
 import asyncio
 import json
 
+import httpx
 import pytest
-from conftest import CHAT, UPSTREAM, chat, hold_stream, proxy_client, sample
+from conftest import CHAT, UPSTREAM, FakeVLLM, chat, hold_stream, make_state, proxy_client, sample, serve
 
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):
@@ -238,3 +239,26 @@ async def test_calibration_from_usage_moves_the_ratio(fake):
         await c.post(CHAT, json=chat("z" * 4000, usage_prompt_tokens=4008))
         assert state.estimator.calibrator.ratio("m") == pytest.approx(1.0)
         assert sample(state.metrics.registry, "prefill_gate_bytes_per_token") == pytest.approx(1.0)
+
+
+async def test_headers_over_the_limit_are_431_on_every_path(fake):
+    async with proxy_client(fake, max_header_bytes=4096) as (c, _):
+        big = {"x-filler": "y" * 5000}
+        for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/health")):
+            r = await c.request(method, path, json=chat() if method == "POST" else None, headers=big)
+            assert r.status_code == 431, path
+            assert r.json()["error"]["code"] == "headers_too_large" and "max_header_bytes" in r.json()["error"]["message"]
+        assert fake.requests == []  # nothing reached the upstream
+        r = await c.post(CHAT, json=chat(), headers={"x-filler": "y" * 1000})
+        assert r.status_code == 200
+
+
+async def test_oversized_headers_over_a_real_socket():
+    """uvicorn hands the proxy a 200 KB header block; the proxy answers 431, not 5xx."""
+    from proxy.app import create_app
+
+    state = make_state(httpx.MockTransport(FakeVLLM()))
+    async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient() as c:
+        r = await c.get(url + "/health", headers={"x-filler": "y" * 200_000})
+        assert r.status_code == 431
+        assert (await c.get(url + "/health")).status_code == 200

@@ -202,3 +202,52 @@ async def test_a_garbage_or_silent_upstream_process_gives_502_and_504():
         garbage_server.close()
         silent_server.close()
         await asyncio.sleep(0.05)
+
+
+def _blackhole():
+    """A listener that never accepts, its one-slot backlog already taken: a connect to it
+    hangs (the kernel drops the SYNs), as to an upstream host that is down or overloaded."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(0)
+    fillers = []
+    for _ in range(3):  # take the backlog (the kernel admits backlog + 1)
+        f = socket.socket()
+        f.setblocking(False)
+        try:
+            f.connect(sock.getsockname())
+        except BlockingIOError:
+            pass
+        fillers.append(f)
+    return sock, fillers, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_an_upstream_slow_to_connect_gives_502_in_time_or_the_next_upstream():
+    sock, fillers, hole = _blackhole()
+    sim = Service("sim", name="sim")
+    body = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with Service("serve", "--upstream", hole, "--connect-timeout", "0.3", "--health-interval", "60",
+                     "--log-level", "warning", name="p1") as p1, \
+                Service("serve", "--upstream", hole, "--upstream", sim.url, "--connect-timeout", "0.3",
+                        "--health-interval", "60", "--log-level", "warning", name="p2") as p2:
+            async with httpx.AsyncClient(timeout=10) as c:
+                t0 = asyncio.get_running_loop().time()
+                r = await c.post(p1.url + CHAT, json=body)
+                waited = asyncio.get_running_loop().time() - t0
+                assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+                assert 0.25 < waited < 3.0, waited  # the connect timeout, not the read timeout
+                for _ in range(4):  # whichever upstream a request picks, it is answered
+                    r = await c.post(p2.url + CHAT, json=body)
+                    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+                for p in (p1, p2):
+                    health = (await c.get(p.url + "/health")).json()
+                    assert health["queue_depth"] == 0
+                    assert all(u["active"] == 0 for u in health["upstreams"].values())
+    finally:
+        sim.stop()
+        for f in fillers:
+            f.close()
+        sock.close()
