@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -36,6 +36,7 @@ from .estimate import (
 from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
 from .gate import Gate
 from .metrics import Metrics
+from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .prefix_memory import PrefixMemory
 from .settings import Settings
 from .upstream import UpstreamClient
@@ -226,9 +227,25 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
         return JSONResponse(body)
 
     if state.settings.metrics_port is None:  # else served by create_metrics_app on its own port
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse,
+                 responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
         async def metrics():
             return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def gated(path: str, model: type, summary: str) -> None:
+        """Describe a gated endpoint in /openapi.json. GateApp answers these POSTs before
+        FastAPI routes anything, so this handler never runs."""
+
+        async def served_by_the_gate(body):
+            raise RuntimeError(f"POST {path} is served by GateApp")
+
+        served_by_the_gate.__annotations__ = {"body": model}  # a class, not this module's string annotation
+
+        app.add_api_route(path, served_by_the_gate, methods=["POST"], summary=summary,
+                          responses=gated_responses(), name=path)
+
+    gated("/v1/chat/completions", ChatCompletionRequest, "OpenAI chat completions, through the gate")
+    gated("/v1/completions", CompletionRequest, "OpenAI completions, through the gate")
 
     async def passthrough(request: Request):
         body = await read_body(request, state.settings.max_body_bytes)

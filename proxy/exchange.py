@@ -66,6 +66,8 @@ def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
     value = body[name]
     if value is None and not required:
         return
+    if int in types and isinstance(value, float) and value.is_integer():
+        return  # 5.0 is an integer to JSON Schema, and to vLLM's validation
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         want = " or ".join(t.__name__ for t in types)
         raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
@@ -104,7 +106,7 @@ def classify(estimate: Estimate, threshold: int, override: str | None) -> Reques
 
 def priority_of(body: dict, header: str | None) -> int:
     if header is None:
-        return body.get("priority") or 0
+        return int(body.get("priority") or 0)
     try:
         return int(header)
     except ValueError:

@@ -51,6 +51,13 @@ def response(status: int, json_body=None, text: str | None = None, headers=None)
     return httpx.Response(status, headers={"content-type": ctype, **(headers or {})}, content=body())
 
 
+def _text(content) -> str:
+    """A message's text: a string, or the text of its content parts."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
+
+
 class FakeVLLM:
     """Answers like vLLM. Unknown body fields drive it: ``hold`` keeps a stream open
     after its first token until ``release`` is set; ``fail`` picks a failure."""
@@ -90,7 +97,7 @@ class FakeVLLM:
             return response(500, text="engine dead")
         # Like vLLM: the prompt's tokens (here ~4 characters each, plus a template's 19 per
         # message) unless a test dictates them.
-        text = "".join(m.get("content") or "" for m in body.get("messages", [])) or str(body.get("prompt", ""))
+        text = "".join(_text(m.get("content")) for m in body.get("messages", [])) or str(body.get("prompt", ""))
         counted = len(text) // 4 + 19 * max(1, len(body.get("messages", [])))
         usage = {"prompt_tokens": body.get("usage_prompt_tokens", counted), "completion_tokens": 2,
                  "total_tokens": body.get("usage_prompt_tokens", counted) + 2}

@@ -5,7 +5,17 @@ import json
 
 import httpx
 import pytest
-from conftest import CHAT, UPSTREAM, FakeVLLM, chat, hold_stream, make_state, proxy_client, sample, serve
+from conftest import (
+    CHAT,
+    UPSTREAM,
+    FakeVLLM,
+    chat,
+    hold_stream,
+    make_state,
+    proxy_client,
+    sample,
+    serve,
+)
 
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):
@@ -262,3 +272,13 @@ async def test_oversized_headers_over_a_real_socket():
         r = await c.get(url + "/health", headers={"x-filler": "y" * 200_000})
         assert r.status_code == 431
         assert (await c.get(url + "/health")).status_code == 200
+
+
+async def test_integral_floats_are_integers_as_for_vllm(fake):
+    """JSON Schema and vLLM's validation take 5.0 for an integer; so does the gate."""
+    async with proxy_client(fake) as (c, _):
+        r = await c.post(CHAT, json={**chat(), "max_tokens": 5.0, "priority": 2.0})
+        assert r.status_code == 200
+        assert fake.bodies[-1]["max_tokens"] == 5.0  # passed on unchanged
+        r = await c.post(CHAT, json={**chat(), "max_tokens": 5.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

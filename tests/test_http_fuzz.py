@@ -13,9 +13,16 @@ import asyncio
 import json
 
 import httpx
+import jsonschema_rs
 from conftest import FakeVLLM, proxy_client, response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from proxy.openapi import ChatCompletionRequest, CompletionRequest
+
+SCHEMAS = {path: jsonschema_rs.validator_for(model.model_json_schema()) for path, model in
+           (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest))}
+VLLM_400 = {"error": {"message": "invalid request", "type": "BadRequestError", "param": None, "code": 400}}  # 0.26's shape
 
 KEYS = st.text(min_size=1, max_size=12).filter(lambda k: k not in ("fail", "hold", "usage_prompt_tokens"))
 SCALARS = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=40)
@@ -53,13 +60,22 @@ REQUESTS = st.sampled_from((GATED, GATED, GATED, OTHER)).flatmap(lambda s: s)
 
 
 class LikeVLLM(FakeVLLM):
-    """FakeVLLM, and a 400 for whatever body it cannot make sense of (as vLLM validates)."""
+    """FakeVLLM, a 400 for whatever body it cannot make sense of (as vLLM validates), and
+    vLLM's 405 for another method on its completion endpoints."""
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("completions") and request.method != "POST":
+            return response(405, {"detail": "Method Not Allowed"}, headers={"allow": "POST"})
+        if path in SCHEMAS:  # vLLM validates its request models; these are the proxy's documented ones
+            try:
+                SCHEMAS[path].validate(json.loads(request.content))
+            except (ValueError, jsonschema_rs.ValidationError):
+                return response(400, VLLM_400)
         try:
             return await super().__call__(request)
         except (ValueError, TypeError, AttributeError, KeyError):
-            return response(400, {"object": "error", "message": "invalid request", "code": 400})
+            return response(400, VLLM_400)
 
 
 def test_no_input_makes_the_proxy_fail_hang_or_leak():
