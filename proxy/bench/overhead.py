@@ -139,9 +139,11 @@ async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delay
         writer.close()
 
 
-async def _measure_part(url: str, streams: int, tokens: int, interval: float, sync: bool, offset: float,
-                        total: int) -> tuple[list, list, float]:
-    """This process's share of the streams: (TTFTs, chunk delays, wall seconds)."""
+async def _measure_part(url: str, streams: int, tokens: int, interval: float, sync: bool, index: int,
+                        procs: int, total: int) -> tuple[list, list, float, list]:
+    """Process `index` of `procs`: its `streams` of the level's `total`, each started in its
+    slot of the spread (slots interleave across processes). Returns (TTFTs, chunk delays,
+    wall seconds, chunk arrival times)."""
     ttfts: list[float] = []
     delays: list[float] = []
     arrivals: list[float] = []
@@ -151,7 +153,7 @@ async def _measure_part(url: str, streams: int, tokens: int, interval: float, sy
     spread = min(1.0, tokens * interval / 2)
 
     async def staggered(k: int) -> None:
-        await asyncio.sleep(spread * (offset + k * total / max(1, streams)) / total)
+        await asyncio.sleep(spread * (index + k * procs) / total)
         await _one_stream(url, tokens, interval, ttfts, delays, sync, arrivals)
 
     rounds = max(1, 20 // total)  # at least 20 TTFT samples per level
@@ -182,7 +184,7 @@ def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = F
     processes (one asyncio process tops out near 5,000 chunks/s of its own parsing)."""
     procs = max(1, min(procs, streams))
     shares = [streams // procs + (i < streams % procs) for i in range(procs)]
-    parts = [(url, n, tokens, interval, sync, i, procs) for i, n in enumerate(shares)]
+    parts = [(url, n, tokens, interval, sync, i, procs, streams) for i, n in enumerate(shares)]
     if procs == 1:
         results = [_part(parts[0])]
     else:
