@@ -26,7 +26,7 @@ What it does and does not do:
 
 from __future__ import annotations
 
-import asyncio
+import asyncio  # asyncio.TimeoutError throughout: the builtin from 3.11, its own class on 3.10
 import collections
 import ssl
 import time
@@ -35,7 +35,6 @@ import httptools
 import httpx
 
 HIGH_WATER = 1 << 20  # unread body bytes per connection before the socket is paused
-LOW_WATER = 1 << 18
 
 
 class _Closed(Exception):
@@ -163,7 +162,7 @@ class _Connection(asyncio.Protocol):
 
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
-        fut.set_exception(TimeoutError())
+        fut.set_exception(asyncio.TimeoutError())
 
 
 class _ResponseStream(httpx.AsyncByteStream):
@@ -186,7 +185,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             else:
                 try:
                     await conn.wait(self._timeout)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     raise httpx.ReadTimeout(f"no bytes from upstream for {self._timeout} s") from None
         await self.aclose()
 
@@ -228,10 +227,13 @@ class FastTransport(httpx.AsyncBaseTransport):
         head += b"\r\n"
         payload = bytes(head) + body
         if self._slots is not None:
-            try:
-                await asyncio.wait_for(self._slots.acquire(), timeouts.get("pool"))
-            except TimeoutError:
-                raise httpx.PoolTimeout("no free upstream connection slot in time") from None
+            if self._slots.locked():  # only then wait (and never race a timeout against a free slot)
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), timeouts.get("pool"))
+                except asyncio.TimeoutError:
+                    raise httpx.PoolTimeout("no free upstream connection slot in time") from None
+            else:
+                await self._slots.acquire()
         try:  # the slot is the response stream's from here; released here only on failure
             for attempt in (0, 1):
                 conn, reused = await self._checkout(origin, timeouts.get("connect"))
@@ -252,7 +254,7 @@ class FastTransport(httpx.AsyncBaseTransport):
                 if conn.error is not None:
                     raise conn.error
                 await conn.wait(read_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             self._discard(conn)
             raise httpx.ReadTimeout(f"no response head from upstream in {read_timeout} s") from None
         except BaseException:  # an error, or the client left while we waited: abort
@@ -282,7 +284,7 @@ class FastTransport(httpx.AsyncBaseTransport):
                 loop.create_connection(lambda: _Connection(origin), host, port, ssl=ctx,
                                        server_hostname=host if ctx else None),
                 connect_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
