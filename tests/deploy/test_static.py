@@ -122,3 +122,14 @@ def test_readme_documents_the_stack():
     assert "docker compose up" in readme
     for name in ("GRAFANA_ADMIN_PASSWORD", "COMPOSE_PROFILES", "UPSTREAMS"):
         assert name in readme, name
+
+
+def test_the_sm70_service_routes_rows_with_the_custom_backend():
+    result = compose("config", "--format", "json", profiles="sm70")
+    assert result.returncode == 0, result.stderr
+    sm70 = json.loads(result.stdout)["services"]["vllm-sm70"]
+    command = sm70["command"]
+    assert command[command.index("--attention-backend") + 1] == "CUSTOM"
+    assert command[command.index("--dtype") + 1] == "half"
+    env = sm70["environment"]
+    assert env["PREFILL_GATE_SPEC_AS_DECODE"] == "auto" and env["PREFILL_GATE_PACING"] == "off"  # merged, not replaced
