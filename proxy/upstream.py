@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Mapping
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
@@ -63,7 +64,8 @@ class UpstreamClient:
     """Requests to the upstreams over one httpx client on ``FastTransport`` (asyncio and
     httptools; see ``proxy.fasthttp`` for why not httpx's own transport). Tests pass an
     in-memory ``transport`` instead. Proxies from the environment are ignored: only the
-    configured upstreams are ever contacted, directly."""
+    configured upstreams are ever contacted, directly. No cookie jar: the clients' own
+    Cookie headers pass through, an upstream's Set-Cookie goes back to its client only."""
 
     def __init__(
         self,
@@ -83,6 +85,9 @@ class UpstreamClient:
             timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
             transport=transport or FastTransport(max_connections=max_connections),
             trust_env=False,
+            # One client serves every proxied request: it must not keep an upstream's
+            # Set-Cookie and send it along with other clients' requests.
+            cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
         )
 
     async def aclose(self) -> None:

@@ -282,3 +282,24 @@ async def test_integral_floats_are_integers_as_for_vllm(fake):
         assert fake.bodies[-1]["max_tokens"] == 5.0  # passed on unchanged
         r = await c.post(CHAT, json={**chat(), "max_tokens": 5.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+async def test_an_upstream_cookie_goes_to_its_client_only(fake):
+    """One upstream client serves every request: it must not keep an upstream's Set-Cookie."""
+    original = fake.__call__
+
+    async def with_cookie(request):
+        r = await original(request)
+        if request.url.path == "/v1/models":
+            r.headers["set-cookie"] = "session=alice; Path=/"
+        return r
+
+    fake.__call__ = with_cookie
+    async with proxy_client(with_cookie) as (c, _):
+        r = await c.get("/v1/models")
+        assert r.headers["set-cookie"] == "session=alice; Path=/"  # passed back to its client
+        c.cookies.clear()  # another client, without alice's cookie
+        assert (await c.post(CHAT, json=chat())).status_code == 200
+        assert (await c.get("/v1/models", headers={"cookie": "mine=1"})).status_code == 200
+    sent = [req.headers.get("cookie") for req in fake.requests]
+    assert sent[-2] is None and sent[-1] == "mine=1"  # only a client's own cookie reaches upstream
