@@ -100,7 +100,10 @@ class Settings(BaseModel):
     read_timeout: float = Field(
         600.0, gt=0, description="Seconds an upstream may stay silent (no response, no chunk) before 504."
     )
-    max_connections: int = Field(4096, ge=1, description="Upstream connections at most (all upstreams).")
+    max_connections: int = Field(
+        4096, ge=1,
+        description="Upstream requests in flight at most, all upstreams together (idle keep-alive connections come on top: at most 256 per upstream).",
+    )
     health_interval: float = Field(5.0, gt=0, description="Seconds between upstream health checks.")
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
