@@ -168,15 +168,16 @@ class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
         if common.mm_req_doc_ranges is not None:
             raise NotImplementedError("multimodal prefix ranges: use --attention-backend TRITON_ATTN")
         num_split, max_split_query = self.split_point(common)
+        max_split_query = max(1, max_split_query)  # padding rows have none
         tokens, splits, scratch = 0, 1, None
         if num_split:
-            tokens, splits, scratch = self.scratch_for(num_split, max(1, max_split_query))
+            tokens, splits, scratch = self.scratch_for(num_split, max_split_query)
         return SplitRowsMetadata(
             num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len, query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens, block_table=common.block_table_tensor,
             slot_mapping=common.slot_mapping, causal=common.causal,
-            num_split=num_split, max_split_query_len=max(1, max_split_query),
+            num_split=num_split, max_split_query_len=max_split_query,
             split_tokens=min(tokens, common.num_actual_tokens), num_kv_splits=splits, scratch=scratch,
             num_reqs=common.num_reqs)
 

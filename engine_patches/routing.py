@@ -66,8 +66,6 @@ def row_classes(query_lens: np.ndarray, is_prefilling: np.ndarray, num_spec_toke
 
 def classify_rows(query_lens: Sequence[int], is_prefilling: Sequence[bool], num_spec_tokens: int,
                   mode: str = "auto") -> list[str]:
-    if len(query_lens) != len(is_prefilling):
-        raise ValueError(f"{len(query_lens)} query lengths for {len(is_prefilling)} prefill flags")
     classes = row_classes(np.asarray(query_lens, dtype=np.int64), np.asarray(is_prefilling, dtype=bool),
                           num_spec_tokens, mode)
     return [NAMES[c] for c in classes]

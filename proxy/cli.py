@@ -260,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-procs", type=int, default=1, metavar="N",
                    help="load-generator processes (one tops out near 5,000 chunks/s)")
     p.add_argument("--upstream-procs", type=int, default=1, metavar="N", help="stamping upstream processes")
-    p.add_argument("--ramp", default="2000,4000,6000,8000,10000,12000,15000,20000,25000,30000",
-                   help="total chunk rates for the 100-stream ramp (it stops at the first one not kept up)")
+    p.add_argument("--ramp", default=None, metavar="RATES",
+                   help="total chunk rates for the 100-stream ramp, comma-separated (default 2,000 to "
+                        "30,000); it stops at the first one not kept up")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench_overhead)
 

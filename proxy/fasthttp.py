@@ -180,8 +180,8 @@ class _ResponseStream(httpx.AsyncByteStream):
                 yield conn.take()
             elif conn.complete:
                 self._done = True
-            elif conn.error is not None:
-                raise conn.error if not isinstance(conn.error, _Closed) else httpx.ReadError("upstream closed")
+            elif conn.error is not None:  # never _Closed here: the head arrived
+                raise conn.error
             else:
                 try:
                     await conn.wait(self._timeout)

@@ -59,6 +59,13 @@ async def read_request(reader) -> bytes:
     return head + (await reader.readexactly(length) if length else b"")
 
 
+async def drain(c: httpx.AsyncClient, url: str) -> None:
+    """POST and read the streamed answer to its end."""
+    async with c.stream("POST", url, content=b"{}") as resp:
+        async for _ in resp.aiter_raw():
+            pass
+
+
 def client(**kw) -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=2.0, read=kw.pop("read", 5.0), write=5.0, pool=kw.pop("pool", 2.0))
     return httpx.AsyncClient(transport=FastTransport(**kw), timeout=timeout, trust_env=False)
@@ -166,14 +173,10 @@ async def test_read_timeout_between_chunks():
         await asyncio.sleep(5)
 
     async with Server(handler) as srv, client(read=0.2) as c:
-        async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
-            with pytest.raises(httpx.ReadTimeout):
-                async for _ in resp.aiter_raw():
-                    pass
+        with pytest.raises(httpx.ReadTimeout):
+            await drain(c, srv.url + "/v1/chat/completions")
         with pytest.raises(UpstreamTimeout), mapped_errors("u"):
-            async with c.stream("POST", srv.url + "/x", content=b"{}") as resp:
-                async for _ in resp.aiter_raw():
-                    pass
+            await drain(c, srv.url + "/x")
 
 
 async def test_silence_before_the_head_is_a_read_timeout():
@@ -205,9 +208,7 @@ async def test_unreachable_and_garbage_upstreams_map_to_our_errors():
                 await c.get(srv.url + "/x")
         async with Server(cut) as srv:
             with pytest.raises(UpstreamProtocolError), mapped_errors("u"):
-                async with c.stream("POST", srv.url + "/x", content=b"{}") as resp:
-                    async for _ in resp.aiter_raw():
-                        pass
+                await drain(c, srv.url + "/x")
 
 
 async def test_bodies_without_chunking_and_without_bodies():

@@ -24,6 +24,11 @@ def p99(metric: str, by: str = "", window: str = "5m", quantile: float = 0.99) -
     return f"histogram_quantile({quantile}, sum by ({labels}) (rate({metric}_bucket[{window}])))"
 
 
+def p50_p99(metric: str, by: str) -> list[dict]:
+    """The median and p99 of a histogram, one series each per value of label `by`."""
+    return [q(p99(metric, by, quantile=0.5), f"p50 {{{{{by}}}}}"), q(p99(metric, by), f"p99 {{{{{by}}}}}")]
+
+
 # (title, unit, [queries]) per panel, two per row.
 PREFILL_GATE = [
     ("Live protected decodes per upstream", "short",
@@ -37,18 +42,15 @@ PREFILL_GATE = [
      [q(p99("prefill_gate_queue_wait_seconds", quantile=0.5), "p50"),
       q(p99("prefill_gate_queue_wait_seconds", quantile=0.95), "p95")]),
     ("TTFT by class (p50 / p99, measured by the proxy)", "s",
-     [q(p99("prefill_gate_ttft_seconds", "class", quantile=0.5), "p50 {{class}}"),
-      q(p99("prefill_gate_ttft_seconds", "class"), "p99 {{class}}")]),
+     p50_p99("prefill_gate_ttft_seconds", "class")),
     ("ITL by class (p50 / p99)", "s",
-     [q(p99("prefill_gate_itl_seconds", "class", quantile=0.5), "p50 {{class}}"),
-      q(p99("prefill_gate_itl_seconds", "class"), "p99 {{class}}")]),
+     p50_p99("prefill_gate_itl_seconds", "class")),
     ("Interactive ITL p99: with vs without a large prefill in flight", "s",
      [q('histogram_quantile(0.99, sum by (le, large_prefill_in_flight) '
         '(rate(prefill_gate_itl_seconds_bucket{class="interactive"}[5m])))',
         "large prefill in flight: {{large_prefill_in_flight}}")]),
     ("Estimated prompt tokens (p50 / p99) and in-flight prefill tokens", "short",
-     [q(p99("prefill_gate_estimated_prompt_tokens", "class", quantile=0.5), "p50 {{class}}"),
-      q(p99("prefill_gate_estimated_prompt_tokens", "class"), "p99 {{class}}"),
+     [*p50_p99("prefill_gate_estimated_prompt_tokens", "class"),
       q("sum(prefill_gate_inflight_prefill_tokens)", "in flight")]),
     ("Token estimate error vs reported usage (median)", "percentunit",
      [q(p99("prefill_gate_estimate_relative_error", window="15m", quantile=0.5), "median")]),
@@ -68,11 +70,9 @@ VLLM_ENGINE = [
      [q("sum by (instance) (rate(vllm:prompt_tokens_total[1m]))", "prompt {{instance}}"),
       q("sum by (instance) (rate(vllm:generation_tokens_total[1m]))", "generated {{instance}}")]),
     ("Time to first token (p50 / p99)", "s",
-     [q(p99("vllm:time_to_first_token_seconds", "instance", quantile=0.5), "p50 {{instance}}"),
-      q(p99("vllm:time_to_first_token_seconds", "instance"), "p99 {{instance}}")]),
+     p50_p99("vllm:time_to_first_token_seconds", "instance")),
     ("Inter-token latency (p50 / p99)", "s",
-     [q(p99("vllm:inter_token_latency_seconds", "instance", quantile=0.5), "p50 {{instance}}"),
-      q(p99("vllm:inter_token_latency_seconds", "instance"), "p99 {{instance}}")]),
+     p50_p99("vllm:inter_token_latency_seconds", "instance")),
     ("KV cache usage", "percentunit",
      [q("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
     ("Step pacing: steps by kind (engine_patches)", "short",

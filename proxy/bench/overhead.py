@@ -245,7 +245,8 @@ def main(args) -> int:
             interval = max(0.01, streams / 5000)  # at most ~5k chunks/s for the concurrency levels
             print(f"[overhead] {streams} streams at {1 / interval:.0f} chunks/s each", file=sys.stderr)
             rows.append(compare(up.url, gate.url, streams, args.tokens, interval, procs=load_procs))
-        for rate in [int(r) for r in str(getattr(args, "ramp", RAMP)).split(",") if r.strip()]:
+        ramp_rates = RAMP if getattr(args, "ramp", None) is None else args.ramp
+        for rate in [int(r) for r in ramp_rates.split(",") if r.strip()]:
             print(f"[overhead] ramp: 100 streams, {rate} chunks/s in total", file=sys.stderr)
             row = compare(up.url, gate.url, 100, max(args.tokens, rate // 50), 100 / rate, procs=load_procs)
             ramp.append(row)

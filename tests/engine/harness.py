@@ -109,25 +109,12 @@ def vllm_config(
     )
 
 
-def build(
-    cls,
-    model: Path,
-    *,
-    max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 16,
-    block_size: int = 16,
-    num_blocks: int = 10_000,
-    hybrid_align: bool = False,
-    num_spec_tokens: int = 0,
-    async_scheduling: bool = False,
-    long_prefill_token_threshold: int = 0,
-):
-    config = vllm_config(
-        model, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        block_size=block_size, hybrid_align=hybrid_align, num_spec_tokens=num_spec_tokens,
-        async_scheduling=async_scheduling, long_prefill_token_threshold=long_prefill_token_threshold,
-    )
+def build(cls, model: Path, *, num_blocks: int = 10_000, **settings):
+    """A `cls` scheduler over a hand-written KV-cache config; `settings` as for `vllm_config`."""
+    config = vllm_config(model, **settings)
     cache_config = config.cache_config
+    block_size = cache_config.block_size
+    hybrid_align = cache_config.mamba_cache_mode == "align"
     groups = [
         KVCacheGroupSpec(
             ["attn"],
