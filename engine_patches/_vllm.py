@@ -20,6 +20,7 @@ if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
         "without the patches"
     )
 
+from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
@@ -43,6 +44,7 @@ __all__ = [
     "AttentionBackendEnum",
     "AttentionCGSupport",
     "AttentionType",
+    "CUDAGraphMode",
     "CommonAttentionMetadata",
     "Request",
     "Scheduler",

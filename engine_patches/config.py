@@ -16,6 +16,12 @@ validated when the scheduler is built; an error names the variable and what it a
                                      always advances (16)
     PREFILL_GATE_PACING_GRAPH_CLAMP  1: keep decode tokens + cap within the largest
                                      CUDA-graph capture size; 0: do not (1)
+    PREFILL_GATE_PACING_GRAPH_ALIGN  1: lower the cap so decode tokens + cap is a
+                                     CUDA-graph capture size, which vLLM would pad the
+                                     step up to anyway; 0: do not (1)
+    PREFILL_GATE_PACING_STEP_QUANTUM lower decode tokens + cap to a multiple of this
+                                     when it is at least this large (GEMM and attention
+                                     tiles: 128 rows on Hopper); 0: off (0)
     PREFILL_GATE_PACING_LOG_INTERVAL_S seconds between decision summaries in the log;
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
@@ -51,6 +57,8 @@ class PacingConfig:
     target_itl_s: float | None = None
     min_tokens: int = 16
     graph_clamp: bool = True
+    graph_align: bool = True
+    step_quantum: int = 0
     log_interval_s: float = 30.0
     metrics_port: int = 0
 
@@ -83,6 +91,8 @@ class PacingConfig:
             target_itl_s=None if target_ms is None else target_ms / 1000.0,
             min_tokens=_number(env, "MIN_TOKENS", 16, low=1, high=1 << 20),
             graph_clamp=_number(env, "GRAPH_CLAMP", 1, low=0, high=1) == 1,
+            graph_align=_number(env, "GRAPH_ALIGN", 1, low=0, high=1) == 1,
+            step_quantum=_number(env, "STEP_QUANTUM", 0, low=0, high=1 << 16),
             log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
             metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )

@@ -25,7 +25,8 @@ tokens (1 + k with k speculative tokens) plus the prefill cap, and the per-reque
 `long_prefill_token_threshold` to at most the cap, for the duration of one `super()`
 call. Caps are whole KV blocks in hybrid align mode (never below one block: a smaller
 budget makes 0-token chunks and the prefill never advances), and by default they keep
-decode tokens + cap within the largest CUDA-graph capture size.
+decode tokens + cap within the largest CUDA-graph capture size and lower it to a capture
+size: vLLM pads a step up to the next one, and the pad tokens cost what real ones do.
 
 Step durations for the adaptive fit are the intervals between `schedule()` calls: with
 the synchronous loop, the interval after a call is that step's duration; with the async
@@ -34,10 +35,12 @@ batch queue (depth 2), it is the duration of the step scheduled one call earlier
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_patches import _vllm
@@ -85,15 +88,20 @@ class Pacer:
         config: PacingConfig,
         *,
         block_size: int | None = None,
-        graph_limit: int | None = None,
+        graph_sizes: Sequence[int] = (),
         model: StepCostModel | None = None,
     ) -> None:
         self.config = config
         self.block_size = block_size  # set only in hybrid align mode
-        self.graph_limit = graph_limit if config.graph_clamp else None
+        self.graph_sizes = tuple(sorted(graph_sizes))  # vLLM's capture sizes for mixed steps
         self.model = model or StepCostModel()
         self.deferred_in_row = 0
         self.aim = 0.95
+
+    @property
+    def graph_limit(self) -> int | None:
+        """The largest CUDA-graph capture size when the clamp applies."""
+        return self.graph_sizes[-1] if self.graph_sizes and self.config.graph_clamp else None
 
     def plan(
         self,
@@ -143,12 +151,29 @@ class Pacer:
         self.aim = min(max(self.aim, AIM_BOUNDS[0]), AIM_BOUNDS[1])
 
     def _fit_cap(self, cap: int, decode_tokens: int) -> int:
-        if self.graph_limit is not None and decode_tokens < self.graph_limit:
-            cap = min(cap, self.graph_limit - decode_tokens)
+        limit = self.graph_limit
+        if limit is not None and decode_tokens < limit:
+            cap = min(cap, limit - decode_tokens)
+        quantum = self.config.step_quantum
+        if quantum and (decode_tokens + cap) // quantum * quantum > decode_tokens:
+            cap = (decode_tokens + cap) // quantum * quantum - decode_tokens
+        if self.config.graph_align:
+            cap = self._align_to_graph(cap, decode_tokens)
         cap = max(cap, 1)
         if self.block_size:
             cap = max(self.block_size, cap // self.block_size * self.block_size)
         return cap
+
+    def _align_to_graph(self, cap: int, decode_tokens: int) -> int:
+        """Lower the cap so the step fills a capture size: vLLM pads a step up to the next
+        one and computes the pad tokens in full, so 256 prefill tokens + 1 decode cost a
+        272-token step where 255 + 1 cost 256. Steps past the largest size run unpadded."""
+        sizes = self.graph_sizes
+        total = decode_tokens + cap
+        if not sizes or total > sizes[-1]:
+            return cap
+        fit = sizes[bisect.bisect_right(sizes, total) - 1] if total >= sizes[0] else 0
+        return fit - decode_tokens if fit > decode_tokens else cap
 
 
 class _PacingMixin:
@@ -160,14 +185,11 @@ class _PacingMixin:
         super().__init__(*args, **kwargs)
         config = PacingConfig.from_env()
         align = self.need_mamba_block_aligned_split
-        graph_limit = self.vllm_config.compilation_config.max_cudagraph_capture_size
-        if self.vllm_config.model_config.enforce_eager:
-            graph_limit = None
-        self._graph_limit = graph_limit
+        self._graph_sizes = _mixed_step_graph_sizes(self.vllm_config)
         self.pacer = Pacer(
             config,
             block_size=self.cache_config.block_size if align else None,
-            graph_limit=graph_limit,
+            graph_sizes=self._graph_sizes,
         )
         self.pacing_clock = time.perf_counter
         self.pacing_telemetry = PacingTelemetry(config, self.pacer.model)
@@ -181,11 +203,14 @@ class _PacingMixin:
     def _log_pacing(self) -> None:
         config = self.pacer.config
         logger.info(
-            "prefill-gate %s%s%s%s",
+            "prefill-gate %s%s%s%s%s",
             config.describe(),
             f"; caps in whole blocks of {self.pacer.block_size}" if self.pacer.block_size else "",
             f"; decode tokens + cap <= {self.pacer.graph_limit} (largest CUDA graph)"
             if self.pacer.graph_limit and config.mode in ("cap", "adaptive")
+            else "",
+            "; decode tokens + cap lowered to a CUDA-graph capture size"
+            if self.pacer.graph_sizes and config.graph_align and config.mode in ("cap", "adaptive")
             else "",
             f"; control file {self._control_path}" if self._control_path else "",
         )
@@ -207,7 +232,7 @@ class _PacingMixin:
             logger.error("prefill-gate pacing: control file ignored, settings kept: %s", exc)
             return
         old = self.pacer
-        self.pacer = Pacer(config, block_size=old.block_size, graph_limit=self._graph_limit, model=old.model)
+        self.pacer = Pacer(config, block_size=old.block_size, graph_sizes=self._graph_sizes, model=old.model)
         if config.target_itl_s == old.config.target_itl_s:
             self.pacer.aim = old.aim  # the aim learned for this target still holds
         self.pacing_telemetry.config = config
@@ -302,6 +327,17 @@ class _PacingMixin:
             if measured.x[1] > 0 and measured.x[2] > 0:  # decodes next to prefill
                 self.pacer.feedback(seconds)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim)
+
+
+def _mixed_step_graph_sizes(vllm_config) -> tuple[int, ...]:
+    """The CUDA-graph sizes a step with prefill in it is padded to; () when such steps
+    run eagerly (enforce_eager, cudagraph_mode NONE or FULL_DECODE_ONLY)."""
+    compilation = vllm_config.compilation_config
+    if vllm_config.model_config.enforce_eager or compilation.cudagraph_mode is None:
+        return ()
+    if compilation.cudagraph_mode.mixed_mode() == _vllm.CUDAGraphMode.NONE:
+        return ()
+    return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
 class PacedScheduler(_PacingMixin, Scheduler):

@@ -23,6 +23,7 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -52,6 +53,10 @@ MODEL_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+# vLLM 0.26's default capture sizes when the largest is 512 (max_num_seqs >= 256).
+DEFAULT_GRAPH_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
 
 
 def model_dir(root: Path) -> Path:
@@ -109,9 +114,19 @@ def vllm_config(
     )
 
 
-def build(cls, model: Path, *, num_blocks: int = 10_000, **settings):
-    """A `cls` scheduler over a hand-written KV-cache config; `settings` as for `vllm_config`."""
+def build(cls, model: Path, *, num_blocks: int = 10_000, graph_sizes: list[int] | None = None,
+          **settings):
+    """A `cls` scheduler over a hand-written KV-cache config; `settings` as for `vllm_config`.
+
+    `graph_sizes`: the CUDA-graph capture sizes of a GPU server (vLLM's default mode,
+    FULL_AND_PIECEWISE); on the CPU vLLM turns graphs off, so they are set after the fact.
+    """
     config = vllm_config(model, **settings)
+    if graph_sizes:
+        compilation = config.compilation_config
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        compilation.cudagraph_capture_sizes = sorted(graph_sizes)
+        compilation.max_cudagraph_capture_size = max(graph_sizes)
     cache_config = config.cache_config
     block_size = cache_config.block_size
     hybrid_align = cache_config.mamba_cache_mode == "align"

@@ -7,8 +7,10 @@ import random
 
 import pytest
 
-from engine_patches.pacing import PacedAsyncScheduler, PacedScheduler
-from tests.engine.harness import Engine, build
+from vllm.config.compilation import CUDAGraphMode
+
+from engine_patches.pacing import PacedAsyncScheduler, PacedScheduler, _mixed_step_graph_sizes
+from tests.engine.harness import DEFAULT_GRAPH_SIZES, Engine, build, vllm_config
 
 CLASSES = [
     pytest.param(PacedScheduler, 1, id="sync"),
@@ -66,6 +68,26 @@ def test_cap_mixed_workload(cls, depth, cap, tiny_model, pacing_env):
     # Every step while they were pending used the cap (no step wasted).
     busy = engine.steps[start + 1 : last_first_token]
     assert sum(s.prefill_tokens == cap for s in busy) >= len(busy) - 3
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("align", [1, 0])
+def test_mixed_steps_fill_a_cuda_graph_size(cls, depth, align, tiny_model, pacing_env):
+    """256 prefill + 1 decode would be padded to a 272-token graph: aligned, the step is
+    255 + 1 = 256 (what `--max-num-batched-tokens 256` runs); with GRAPH_ALIGN=0, 257."""
+    pacing_env("cap", cap_tokens=256, graph_align=align)
+    scheduler = make(cls, depth, tiny_model, graph_sizes=DEFAULT_GRAPH_SIZES)
+    engine = Engine(scheduler, depth=depth)
+    stream = engine.add(40, 400, "B")
+    engine.run(lambda: stream in engine.first_token)
+    start = len(engine.steps)
+    prompt = engine.add(9_000, 4, "A")
+    engine.run(lambda: prompt in engine.first_token)
+    mixed = [s for s in engine.steps[start:] if s.decoding and s.prefill_tokens]
+    assert len(mixed) > 30
+    totals = {s.output.total_num_scheduled_tokens for s in mixed[:-1]}  # the last chunk is a remainder
+    assert totals == ({256} if align else {257})
+    assert_paced(engine, 255 if align else 256)
 
 
 @pytest.mark.parametrize("cls,depth", CLASSES)
@@ -232,3 +254,18 @@ def test_adaptive_holds_the_target(cls, depth, target_ms, bias, jitter, tiny_mod
     assert abs(p99 / target - 1) <= 0.10, (p99, target)
     assert median >= target * 0.80, (median, target)  # it uses the room it has
     assert engine.scheduler.pacer.model.samples >= 30
+
+
+@pytest.mark.parametrize(
+    "mode, eager, expected",
+    [("FULL_AND_PIECEWISE", False, (8, 16, 256)), ("FULL", False, (8, 16, 256)),
+     ("PIECEWISE", False, (8, 16, 256)), ("FULL_DECODE_ONLY", False, ()),
+     ("NONE", False, ()), ("FULL_AND_PIECEWISE", True, ())],
+)
+def test_alignment_follows_the_graphs_mixed_steps_replay(mode, eager, expected, tiny_model):
+    """Mixed steps are padded only where vLLM replays a graph for them."""
+    config = vllm_config(tiny_model)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    config.compilation_config.cudagraph_capture_sizes = [256, 8, 16]
+    config.model_config.enforce_eager = eager
+    assert _mixed_step_graph_sizes(config) == expected

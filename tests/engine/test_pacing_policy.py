@@ -99,17 +99,57 @@ def test_plan_only_acts_while_decoding_with_prefill_pending():
     assert plan(pacer).prefill_cap == 256
 
 
+SIZES_512 = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM's defaults up to 512
+
+
 def test_graph_clamp_and_block_floor():
-    clamped = Pacer(PacingConfig(mode="cap", cap_tokens=512), graph_limit=512)
+    clamped = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_align=False), graph_sizes=SIZES_512)
     assert plan(clamped, decode_tokens=1).prefill_cap == 511
     assert plan(clamped, decode_tokens=4).prefill_cap == 508
     assert plan(clamped, decode_tokens=600).prefill_cap == 512  # no graph fits anyway
-    free = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_clamp=False), graph_limit=512)
+    free = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_clamp=False, graph_align=False),
+                 graph_sizes=SIZES_512)
     assert plan(free).prefill_cap == 512
-    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=512), block_size=1568, graph_limit=512)
+    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=512), block_size=1568, graph_sizes=SIZES_512)
     assert plan(aligned).prefill_cap == 1568  # never below one block
     aligned = Pacer(PacingConfig(mode="cap", cap_tokens=4000), block_size=1568)
     assert plan(aligned).prefill_cap == 3136  # whole blocks
+
+
+@pytest.mark.parametrize(
+    "cap, decode_tokens, expected",
+    [
+        (256, 1, 255),  # 257 would pad to 272: 255 + 1 fills 256
+        (255, 1, 255),  # already a capture size
+        (128, 1, 127),  # 129 -> 136 padded; 128 exact
+        (100, 1, 95),  # 101 -> 104 padded; 96 exact
+        (300, 2, 286),  # 302: sizes step by 16 above 256, so 288
+        (600, 1, 511),  # clamped to the largest graph first, then 512 exact
+        (2, 3, 1),  # 5 -> 8 padded; 4 leaves no prefill: keep the cap (a prefill advances)
+        (4000, 600, 4000),  # past every graph: no padding, nothing to align
+    ],
+)
+def test_caps_fill_a_graph_size(cap, decode_tokens, expected):
+    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap), graph_sizes=SIZES_512)
+    assert plan(pacer, decode_tokens=decode_tokens).prefill_cap == expected
+    unaligned = Pacer(PacingConfig(mode="cap", cap_tokens=cap, graph_align=False), graph_sizes=SIZES_512)
+    assert plan(unaligned, decode_tokens=decode_tokens).prefill_cap == (
+        min(cap, 512 - decode_tokens) if decode_tokens < 512 else cap)
+
+
+@pytest.mark.parametrize(
+    "cap, decode_tokens, expected",
+    [(256, 1, 255), (300, 1, 255), (383, 1, 383), (100, 1, 95), (200, 130, 126), (10, 130, 6)],
+)
+def test_step_quantum_lowers_the_step_to_whole_tiles(cap, decode_tokens, expected):
+    """Below one quantum only the graph alignment applies; a step never loses its prefill."""
+    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap, step_quantum=128), graph_sizes=SIZES_512)
+    assert plan(pacer, decode_tokens=decode_tokens).prefill_cap == expected
+
+
+def test_no_graphs_no_alignment():
+    eager = Pacer(PacingConfig(mode="cap", cap_tokens=256))
+    assert plan(eager).prefill_cap == 256
 
 
 def test_cadence_bounds_the_engines_own_throttle():
