@@ -3,6 +3,11 @@
     python3 bench/gpu/backend_h200.py worker --backend CUSTOM --spec ngram --out DIR --lock FILE
     python3 bench/gpu/backend_h200.py compare DIR --json OUT.json
 
+With `--dtype float32` (and TRITON_F32_DEFAULT=ieee, so TRITON_ATTN's dots are exact too)
+the comparison measures the kernels rather than bf16 rounding: in bf16 two vLLM setups
+with the same kernel already disagree on a third of greedy tokens (a near-tie flips and
+the texts diverge), which hides whether a backend computes the same attention.
+
 One worker per (backend, speculative decoding) runs an offline `vllm.LLM` in its own process
 (engine in-process, so the plugin's `register()` applies without installing the package),
 with CUDA graphs on (vLLM's default FULL_AND_PIECEWISE). Weights: `--load-format dummy`, then
@@ -104,11 +109,12 @@ def worker(args) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(model=args.model, load_format="dummy", seed=0, skip_tokenizer_init=True,
+    llm = LLM(model=args.model, load_format="dummy", seed=0, skip_tokenizer_init=True, dtype=args.dtype,
               attention_backend=args.backend, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192,
               gpu_memory_utilization=args.util, kv_cache_memory_bytes=args.kv_bytes, enable_prefix_caching=False,
               speculative_config=SPEC if args.spec == "ngram" else None)
-    record = {"backend": args.backend, "spec": args.spec, "startup_s": time.monotonic() - t0,
+    record = {"backend": args.backend, "spec": args.spec, "dtype": args.dtype, "startup_s": time.monotonic() - t0,
+              "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
               "vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
               "python": platform.python_version(), "command": " ".join(sys.argv),
               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
@@ -135,6 +141,9 @@ def worker(args) -> None:
                         for o in outs]
 
     # (3) decode throughput, one worker at a time, once every worker is done with (1), (2)
+    if args.no_throughput:
+        Path(args.out, f"{args.backend}-{args.spec}.json").write_text(json.dumps(record))
+        return
     batch = [{"prompt_token_ids": repeated(rng, 4096, 48)} for _ in range(16)]
     Path(args.out, f"ready-{args.backend}-{args.spec}").touch()
     deadline = time.monotonic() + 300
@@ -176,7 +185,8 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
 def compare(args) -> None:
     runs = {p.stem: json.loads(p.read_text()) for p in Path(args.dir).glob("*-*.json")
             if p.stem.split("-")[0] in ("CUSTOM", "TRITON_ATTN")}
-    result = {"runs": {k: {f: v[f] for f in ("startup_s", "cudagraph_mode", "impls", "throughput", "weights")}
+    result = {"runs": {k: {f: v.get(f) for f in ("dtype", "startup_s", "cudagraph_mode", "impls", "throughput",
+                                                 "weights")}
                        for k, v in runs.items()}, "pairs": {}}
     for spec in ("none", "ngram"):
         ours, theirs = runs.get(f"CUSTOM-{spec}"), runs.get(f"TRITON_ATTN-{spec}")
@@ -186,16 +196,18 @@ def compare(args) -> None:
             continue
         gaps = [float(np.max(np.abs(np.subtract(x, y)))) for x, y in
                 zip(ours["prompt_logprobs"], theirs["prompt_logprobs"])]
-        pair = {"prompt_logprob_max_abs_diff": max(gaps), **agreement(ours["greedy"], theirs["greedy"]),
-                "decode_tok_s": {"CUSTOM": ours["throughput"]["decode_tok_s"],
-                                 "TRITON_ATTN": theirs["throughput"]["decode_tok_s"]}}
-        pair["throughput_ratio"] = pair["decode_tok_s"]["CUSTOM"] / pair["decode_tok_s"]["TRITON_ATTN"]
+        pair = {"prompt_logprob_max_abs_diff": max(gaps), **agreement(ours["greedy"], theirs["greedy"])}
+        speed = ""
+        if "throughput" in ours and "throughput" in theirs:
+            pair["decode_tok_s"] = {"CUSTOM": ours["throughput"]["decode_tok_s"],
+                                    "TRITON_ATTN": theirs["throughput"]["decode_tok_s"]}
+            pair["throughput_ratio"] = pair["decode_tok_s"]["CUSTOM"] / pair["decode_tok_s"]["TRITON_ATTN"]
+            speed = (f"  decode tok/s CUSTOM {pair['decode_tok_s']['CUSTOM']:.0f} vs TRITON_ATTN "
+                     f"{pair['decode_tok_s']['TRITON_ATTN']:.0f} ({pair['throughput_ratio']:.2f}x)")
         result["pairs"][spec] = pair
         print(f"spec={spec:<6} prompt logprob max |diff| {pair['prompt_logprob_max_abs_diff']:.4f}  "
               f"greedy agreement {pair['token_agreement']:.1%}  decode logprob max |diff| "
-              f"{pair['decode_logprob_max_abs_diff_while_agreeing']:.4f}  decode tok/s CUSTOM "
-              f"{pair['decode_tok_s']['CUSTOM']:.0f} vs TRITON_ATTN {pair['decode_tok_s']['TRITON_ATTN']:.0f} "
-              f"({pair['throughput_ratio']:.2f}x)")
+              f"{pair['decode_logprob_max_abs_diff_while_agreeing']:.4f}{speed}")
     base, spec = runs.get("TRITON_ATTN-none"), runs.get("TRITON_ATTN-ngram")
     if base and spec:  # same kernel, other runner and speculation: the floor for the pairs above
         result["floor_TRITON_ATTN_none_vs_ngram"] = {
@@ -224,6 +236,8 @@ def main() -> None:
     w.add_argument("--expect", type=int, default=1, help="workers to wait for before timing decode")
     w.add_argument("--util", type=float, default=0.2)
     w.add_argument("--kv-bytes", type=int, default=11 << 30)
+    w.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    w.add_argument("--no-throughput", action="store_true", help="accuracy only (e.g. float32 runs)")
     c = sub.add_parser("compare")
     c.add_argument("dir")
     c.add_argument("--json")

@@ -21,6 +21,11 @@
 #   BATCH=4: paced 8192, full CUDA graphs and a separate Inductor compile for steps of
 #            <= 512 tokens (compile_ranges_endpoints [512, 8192]): cap 256/128/64,
 #            adaptive 12/15 ms, off
+#   BATCH=5: steps that fill a CUDA-graph size (GRAPH_ALIGN, the new default) against the
+#            old unaligned caps and vLLM's budget, side by side: --max-num-batched-tokens
+#            256 and 128 (default graphs), 256 with full graphs; paced 8192 (cap 256/128
+#            aligned and not, adaptive 15/20, adaptive 15 with STEP_QUANTUM 128); paced
+#            8192 with full graphs (cap 128, adaptive 12/15)
 # Writes <config>.json/.png, logs, packed in OUT/pacing-<batch>.tar.gz.
 set -u
 OUT=${1:-out/pacing}
@@ -56,7 +61,15 @@ case $BATCH in
   4) SERVERS=(
        "paced-fullcr 8010 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\",\"compile_ranges_endpoints\":[512,8192]}")
      SETTINGS_paced_fullcr="cap:256 cap:128 cap:64 adaptive:12 adaptive:15 off" ;;
-  *) echo "BATCH must be 1, 2, 3 or 4"; exit 2 ;;
+  5) SERVERS=(
+       "mnbt-256 8004 --max-num-batched-tokens 256"
+       "mnbt-128 8006 --max-num-batched-tokens 128"
+       "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS"
+       "paced-full 8005 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\"}"
+       "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}")
+     SETTINGS_paced="cap:256 cap:256:noalign cap:128 cap:128:noalign adaptive:15 adaptive:15:q128 adaptive:20"
+     SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15" ;;
+  *) echo "BATCH must be 1 to 5"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
@@ -76,14 +89,19 @@ for s in "${SERVERS[@]}"; do
 done
 
 late() { [ $(( $(date +%s) - t0 )) -gt "$DEADLINE" ] && say "deadline: skipping $1" ; }
-set_pacing() {  # server mode[:value]
-  local control=$RES/control-$1.env mode=${2%%:*} value=${2#*:}
+set_pacing() {  # server mode[:value[:variant]]; variant noalign (GRAPH_ALIGN=0) or q<N> (STEP_QUANTUM)
+  local control=$RES/control-$1.env mode=${2%%:*} rest=${2#*:} value variant=""
+  value=${rest%%:*}; [ "$rest" != "$value" ] && variant=${rest#*:}
+  { case $variant in
+      noalign) echo "PREFILL_GATE_PACING_GRAPH_ALIGN=0" ;;
+      q*) echo "PREFILL_GATE_PACING_STEP_QUANTUM=${variant#q}" ;;
+    esac
   case $mode in
     off) echo "PREFILL_GATE_PACING=off" ;;
     cap) printf 'PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=%s\n' "$value" ;;
     cadence) printf 'PREFILL_GATE_PACING=cadence\nPREFILL_GATE_PACING_INTERVAL=%s\n' "$value" ;;
     adaptive) printf 'PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=%s\nPREFILL_GATE_PACING_CAP_TOKENS=64\n' "$value" ;;
-  esac > "$control.tmp" && mv "$control.tmp" "$control"
+  esac; } > "$control.tmp" && mv "$control.tmp" "$control"
   sleep 1
 }
 
@@ -95,7 +113,7 @@ for s in "${SERVERS[@]}"; do
     for setting in ${!settings_var}; do
       late "$name $setting" && continue
       set_pacing "$name" "$setting"
-      bench "$name-${setting/:/-}" "http://127.0.0.1:$port"
+      bench "$name-${setting//:/-}" "http://127.0.0.1:$port"
     done
   else
     late "$name" && continue
