@@ -6,7 +6,8 @@ validated when the scheduler is built; an error names the variable and what it a
 
     PREFILL_GATE_PACING              off | cap | cadence | adaptive       (off)
     PREFILL_GATE_PACING_CAP_TOKENS   cap: prefill tokens per step while a request
-                                     decodes; adaptive: the cap before the first fit (256)
+                                     decodes; adaptive: the cap before the first fit, and
+                                     while the target is out of reach (256)
     PREFILL_GATE_PACING_INTERVAL     cadence: decode-only steps between prefill steps (1)
     PREFILL_GATE_PACING_MAX_DEFERRED cadence: bound on consecutive steps without prefill,
                                      vLLM's own throttle included (= INTERVAL)

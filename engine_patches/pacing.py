@@ -72,6 +72,7 @@ class StepPlan:
 
     defer: bool = False
     prefill_cap: int | None = None
+    unreachable: bool = False  # adaptive: the target is below a step without prefill
 
 
 @dataclass
@@ -125,17 +126,32 @@ class Pacer:
             self.deferred_in_row = 0
             return StepPlan()
         if mode == "cap":
-            cap = self.config.cap_tokens
-        else:
-            cap = self._adaptive_cap(decode_tokens, prefill_start)
+            return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens))
+        cap = self._adaptive_cap(decode_tokens, prefill_start)
+        if cap is None:  # no prefill size meets the target: the configured cap, not starvation
+            return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens),
+                            unreachable=True)
         return StepPlan(prefill_cap=self._fit_cap(cap, decode_tokens))
 
-    def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int:
+    def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int | None:
+        """The prefill tokens the fitted model allows within the target, or None when the
+        model predicts that even a step without prefill takes longer than the target.
+
+        The aim scales only the prefill's share of the target (target minus the predicted
+        step without prefill): when steps come out slower than predicted the tracker
+        shrinks the prefill, but it can never talk the budget down to nothing. A target
+        the model says is out of reach (e.g. steps bound by the host CPU, whose time does
+        not shrink with the prefill) falls back to CAP_TOKENS: smaller chunks would only
+        slow the prompt, not speed up the decodes.
+        """
         if self.model.samples < MIN_FIT_SAMPLES:
             return self.config.cap_tokens
         assert self.config.target_itl_s is not None
-        target = self.config.target_itl_s * self.aim
-        n = self.model.prefill_budget(target, decode_rows, prefill_start)
+        target = self.config.target_itl_s
+        base = self.model.predict(features(decode_rows, []))
+        if base >= target:
+            return None
+        n = self.model.prefill_budget(base + self.aim * (target - base), decode_rows, prefill_start)
         if math.isinf(n):
             return self.config.cap_tokens
         return max(self.config.min_tokens, int(n))
@@ -307,6 +323,7 @@ class _PacingMixin:
             prefill_tokens=sum(n for _, n in chunks),
             plan_cap=plan.prefill_cap,
             deferred=plan.defer,
+            unreachable=plan.unreachable,
         )
 
     def _observe_step_time(self, now: float) -> None:

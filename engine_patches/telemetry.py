@@ -54,6 +54,12 @@ class PacingMetrics:
             buckets=(0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=registry,
         )
+        self.unreachable = Counter(
+            "prefill_gate_pacing_target_unreachable_steps_total",
+            "Adaptive mode: steps that fell back to CAP_TOKENS because the model predicts "
+            "a step without prefill already exceeds the target",
+            registry=registry,
+        )
         self.aim = Gauge(
             "prefill_gate_pacing_aim_ratio",
             "Adaptive mode: the fraction of the target the model's prediction is aimed at",
@@ -81,6 +87,7 @@ class PacingTelemetry:
         self.counts = dict.fromkeys(STEP_KINDS, 0)
         self.prefill_tokens_with_decodes = 0
         self.last_cap: int | None = None
+        self.unreachable_steps = 0
         self.aim = 1.0
         self._next_log = clock() + config.log_interval_s
         self.metrics: PacingMetrics | None = None
@@ -92,7 +99,7 @@ class PacingTelemetry:
                 logger.info("prefill-gate pacing metrics on :%d/metrics", config.metrics_port)
 
     def step(self, *, decode_rows: int, prefill_tokens: int, plan_cap: int | None,
-             deferred: bool) -> None:
+             deferred: bool, unreachable: bool = False) -> None:
         if deferred:
             kind = "deferred"
         elif decode_rows and prefill_tokens:
@@ -109,7 +116,10 @@ class PacingTelemetry:
             self.prefill_tokens_with_decodes += prefill_tokens
         if plan_cap is not None:
             self.last_cap = plan_cap
+        self.unreachable_steps += unreachable
         if self.metrics is not None:
+            if unreachable:
+                self.metrics.unreachable.inc()
             if kind:
                 self.metrics.steps.labels(kind).inc()
             if decode_rows and prefill_tokens:
@@ -139,6 +149,7 @@ class PacingTelemetry:
             out["model"] = {
                 "samples": self.model.samples,
                 "aim": round(self.aim, 4),
+                "target_unreachable_steps": self.unreachable_steps,
                 **{t: round(c, 7) for t, c in zip(TERMS, self.model.coefficients)},
             }
         return out

@@ -26,6 +26,11 @@
 #            256 and 128 (default graphs), 256 with full graphs; paced 8192 (cap 256/128
 #            aligned and not, adaptive 15/20, adaptive 15 with STEP_QUANTUM 128); paced
 #            8192 with full graphs (cap 128, adaptive 12/15)
+#   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
+#            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
+#            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
+#            (default and full graphs) and 128 (full graphs); paced 8192 (cap 256,
+#            adaptive 15/20); paced 8192 full graphs (cap 256/128, adaptive 12/15/18)
 # Writes <config>.json/.png, logs, packed in OUT/pacing-<batch>.tar.gz.
 set -u
 OUT=${1:-out/pacing}
@@ -69,7 +74,15 @@ case $BATCH in
        "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}")
      SETTINGS_paced="cap:256 cap:256:noalign cap:128 cap:128:noalign adaptive:15 adaptive:15:q128 adaptive:20"
      SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15" ;;
-  *) echo "BATCH must be 1 to 5"; exit 2 ;;
+  6) SERVERS=(
+       "mnbt-256 8004 --max-num-batched-tokens 256"
+       "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}"
+       "mnbt-128-full 8012 --max-num-batched-tokens 128 --compilation-config {\"cudagraph_mode\":\"FULL\"}"
+       "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS"
+       "paced-full 8005 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\"}")
+     SETTINGS_paced="cap:256 adaptive:15 adaptive:20"
+     SETTINGS_paced_full="cap:256 cap:128 adaptive:12 adaptive:15 adaptive:18" ;;
+  *) echo "BATCH must be 1 to 6"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
@@ -100,7 +113,8 @@ set_pacing() {  # server mode[:value[:variant]]; variant noalign (GRAPH_ALIGN=0)
     off) echo "PREFILL_GATE_PACING=off" ;;
     cap) printf 'PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=%s\n' "$value" ;;
     cadence) printf 'PREFILL_GATE_PACING=cadence\nPREFILL_GATE_PACING_INTERVAL=%s\n' "$value" ;;
-    adaptive) printf 'PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=%s\nPREFILL_GATE_PACING_CAP_TOKENS=64\n' "$value" ;;
+    adaptive) printf 'PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=%s\nPREFILL_GATE_PACING_CAP_TOKENS=%s\n' \
+                "$value" "${ADAPTIVE_CAP:-64}" ;;
   esac; } > "$control.tmp" && mv "$control.tmp" "$control"
   sleep 1
 }
