@@ -19,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from proxy.bench.report import markdown_table
 
 COLUMNS = [
+    ("batch", "batch"),
     ("config", "config"),
     ("method", "method"),
     ("size", "size"),
@@ -33,11 +34,14 @@ COLUMNS = [
 METHODS = {
     "stock": "vLLM unpatched, 8192",
     "mnbt": "vLLM --max-num-batched-tokens",
+    "mnbt-full": "vLLM --max-num-batched-tokens, full CUDA graphs",
     "lpt": "vLLM --long-prefill-token-threshold",
     "paced-off": "paced server, pacing off",
     "paced-cap": "pacing cap",
+    "paced-cap-noalign": "pacing cap, steps not lowered to a graph size (GRAPH_ALIGN=0)",
     "paced-cadence": "pacing cadence",
-    "paced-adaptive": "pacing adaptive, model only (first version; target ms)",
+    "paced-adaptive": "pacing adaptive (target ms; batch 1: the model alone, no feedback)",
+    "paced-adaptive-q128": "pacing adaptive, STEP_QUANTUM 128 (target ms)",
     "paced-fb-adaptive": "pacing adaptive (target ms)",
     "paced-full-off": "paced server, full graphs, pacing off",
     "paced-full-cap": "pacing cap, full CUDA graphs",
@@ -49,12 +53,14 @@ METHODS = {
 
 
 def classify(config: str) -> tuple[str, int | None]:
-    m = re.fullmatch(r"(stock|mnbt|lpt)-(\d+)", config)
+    m = re.fullmatch(r"(stock|mnbt|lpt)-(\d+)(-full)?", config)
     if m:
-        return m.group(1), int(m.group(2))
-    m = re.fullmatch(r"(paced(?:-full|-fullcr|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?", config)
+        return m.group(1) + (m.group(3) or ""), int(m.group(2))
+    m = re.fullmatch(r"(paced(?:-full|-fullcr|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?(?:-(noalign|q128))?",
+                     config)
     if m:
-        return f"{m.group(1)}-{m.group(2)}", int(m.group(3)) if m.group(3) else None
+        method = f"{m.group(1)}-{m.group(2)}" + (f"-{m.group(4)}" if m.group(4) else "")
+        return method, int(m.group(3)) if m.group(3) else None
     return config, None
 
 
@@ -67,11 +73,11 @@ def load(dirs: list[pathlib.Path]) -> list[dict]:
                 continue
             method, size = classify(data.get("config") or path.stem)
             row = {k: data.get(k) for k, _ in COLUMNS if k in data}
-            row.update(config=data.get("config") or path.stem, method=method, size=size,
+            row.update(batch=d.name, config=data.get("config") or path.stem, method=method, size=size,
                        overlap_itl_ms_p99_spread=data.get("spread", {}).get("overlap_itl_ms_p99"))
             rows.append(row)
     order = list(METHODS)
-    rows.sort(key=lambda r: (order.index(r["method"]) if r["method"] in order else 99,
+    rows.sort(key=lambda r: (r["batch"], order.index(r["method"]) if r["method"] in order else 99,
                              -(r["size"] or 0)))
     return rows
 
@@ -91,9 +97,11 @@ def adaptive_rows(rows: list[dict]) -> list[dict]:
 PLOTTED = {
     "stock": ("vLLM unpatched (8192)", "black", "X"),
     "mnbt": ("vLLM --max-num-batched-tokens", "tab:orange", "s"),
+    "mnbt-full": ("vLLM --max-num-batched-tokens, full CUDA graphs", "tab:brown", "s"),
     "lpt": ("vLLM --long-prefill-token-threshold", "tab:red", "D"),
     "paced-cap": ("pacing cap", "tab:blue", "o"),
     "paced-fb-adaptive": ("pacing adaptive (target ms)", "tab:green", "^"),
+    "paced-adaptive": ("pacing adaptive (target ms)", "tab:green", "^"),
     "paced-full-cap": ("pacing cap, full CUDA graphs", "tab:cyan", "o"),
     "paced-full-adaptive": ("pacing adaptive, full CUDA graphs (target ms)", "tab:olive", "^"),
 }
