@@ -51,21 +51,23 @@ def test_telemetry_counts_and_exports():
     telemetry.step(decode_rows=2, prefill_tokens=0, plan_cap=None, deferred=False)
     telemetry.step(decode_rows=2, prefill_tokens=0, plan_cap=None, deferred=True)
     telemetry.step(decode_rows=0, prefill_tokens=8192, plan_cap=None, deferred=False)
+    telemetry.step(decode_rows=1, prefill_tokens=256, plan_cap=256, deferred=False, unreachable=True)
     telemetry.fitted(0.012)
 
     def value(name, **labels):
         return registry.get_sample_value(name, labels)
 
-    for kind, n in (("mixed", 1), ("decode_only", 1), ("deferred", 1), ("prefill_only", 1)):
+    for kind, n in (("mixed", 2), ("decode_only", 1), ("deferred", 1), ("prefill_only", 1)):
         assert value("prefill_gate_pacing_steps_total", kind=kind) == n
-    assert value("prefill_gate_pacing_step_prefill_tokens_count") == 1
-    assert value("prefill_gate_pacing_step_prefill_tokens_sum") == 256
+    assert value("prefill_gate_pacing_target_unreachable_steps_total") == 1
+    assert value("prefill_gate_pacing_step_prefill_tokens_count") == 2
+    assert value("prefill_gate_pacing_step_prefill_tokens_sum") == 512
     assert value("prefill_gate_pacing_cap_tokens") == 256
     assert value("prefill_gate_pacing_step_seconds_count") == 1
     assert value("prefill_gate_pacing_model_coefficient", term="intercept_seconds") is not None
     summary = telemetry.summary()
-    assert summary["steps"]["mixed"] == 1
-    assert summary["prefill_tokens_with_decodes"] == 256
+    assert summary["steps"]["mixed"] == 2
+    assert summary["prefill_tokens_with_decodes"] == 512
 
 
 def test_telemetry_logs_a_summary_on_its_interval(caplog):
