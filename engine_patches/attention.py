@@ -44,6 +44,7 @@ from engine_patches.routing import PREFILL, mode_from_env, row_classes, split_qu
 from kernels.paged_attention import (
     HEAD_DIMS,
     Scratch,
+    counters,
     device_capability,
     paged_attention,
 )
@@ -125,6 +126,8 @@ class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
         self._scratch = (m, torch.empty_like(m),
                          torch.empty(self.scratch_rows * self.num_heads_q * self.headdim, dtype=torch.float32,
                                      device=device))
+        # The fused merge's arrival counters: zero between launches, shared by every layer.
+        self._counter = counters(max_seqs, self.num_heads_kv, device)
         logger.info("prefill-gate CUSTOM attention: PREFILL_GATE_SPEC_AS_DECODE=%s, split-KV rows up to %d "
                     "tokens (k=%d), scratch %.1f MiB", self.mode, self.query_cap, k,
                     sum(t.numel() for t in self._scratch) * 4 / 2**20)
@@ -158,7 +161,7 @@ class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
         m, l, acc = self._scratch
         slots = tokens * hq * splits
         return tokens, splits, Scratch(m[:slots].view(tokens, hq, splits), l[:slots].view(tokens, hq, splits),
-                                       acc[: slots * d].view(tokens, hq, splits, d))
+                                       acc[: slots * d].view(tokens, hq, splits, d), self._counter)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> SplitRowsMetadata:

@@ -42,17 +42,30 @@ class LaunchConfig(NamedTuple):
 
 
 class Scratch(NamedTuple):
-    """The split-KV path's partial results, one slot per (token, query head, split)."""
+    """The split-KV path's partial results, one slot per (token, query head, split), and
+    the arrival counters of the fused merge: one int32 per (query tile, KV head), zero
+    between launches (the last program of each tile resets its own), so a buffer zeroed
+    once serves every launch and every CUDA-graph replay."""
 
     m: torch.Tensor  # [tokens, num_q_heads, splits] float32
     l: torch.Tensor  # [tokens, num_q_heads, splits] float32
     acc: torch.Tensor  # [tokens, num_q_heads, splits, head_dim] float32
+    counter: torch.Tensor | None = None  # [>= query tiles x KV heads] int32, zeroed; None: merge launch
 
     @classmethod
-    def empty(cls, tokens: int, num_q_heads: int, splits: int, head_dim: int, device) -> Scratch:
+    def empty(cls, tokens: int, num_q_heads: int, splits: int, head_dim: int, device,
+              num_kv_heads: int | None = None) -> Scratch:
+        """With ``num_kv_heads``, counters for every tile ``tokens`` tokens can form."""
         m = torch.empty(tokens, num_q_heads, splits, dtype=torch.float32, device=device)
+        counter = None if num_kv_heads is None else counters(tokens, num_kv_heads, device)
         return cls(m, torch.empty_like(m),
-                   torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device))
+                   torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device), counter)
+
+
+def counters(tokens: int, num_kv_heads: int, device) -> torch.Tensor:
+    """Zeroed arrival counters for split launches of up to ``tokens`` query tokens: the
+    grid has (sequences x query tiles) <= tokens x SPLIT_MAX_QUERY tiles per KV head."""
+    return torch.zeros(tokens * SPLIT_MAX_QUERY * num_kv_heads, dtype=torch.int32, device=device)
 
 
 def launch_config(capability: tuple[int, int] | None, split: bool) -> LaunchConfig:
@@ -93,6 +106,7 @@ def _tile_attention(
     part_m_ptr,  # split path: [num_tokens, num_q_heads, NUM_SPLITS] float32
     part_l_ptr,  # split path: [num_tokens, num_q_heads, NUM_SPLITS] float32
     part_acc_ptr,  # split path: [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
+    counter_ptr,  # fused merge: [query tiles x KV heads] int32, zero on entry and on exit
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_ptr,  # [num_seqs + 1] int32
@@ -111,6 +125,7 @@ def _tile_attention(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,  # split path: the tile's last program to finish merges
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact dots, not TF32
@@ -189,6 +204,33 @@ def _tile_attention(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
+        if FUSE_MERGE:
+            # Every thread's partials are stored before the (release) arrival; the last of
+            # the tile's NUM_SPLITS programs (acquire) reads them all from L2 (.cg: not a
+            # stale L1 line) and merges, saving the merge launch.
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter_ptr + tile, 0)  # zero for the next launch or replay
+                base = (token * num_q_heads + head) * NUM_SPLITS  # [BLOCK_M]
+                m_all = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+                l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+                for j in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(part_m_ptr + base + j, mask=row_ok, other=-1e30, cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + base + j, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(part_acc_ptr + (base + j)[:, None] * HEAD_DIM + d[None, :],
+                                    mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, m_s)  # empty segments carry -1e30: weight 0
+                    a = tl.exp(m_all - m_new)
+                    b = tl.exp(m_s - m_new)
+                    l_all = l_all * a + l_s * b
+                    acc_all = acc_all * a[:, None] + acc_s * b[:, None]
+                    m_all = m_new
+                out = acc_all / l_all[:, None]
+                tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -263,7 +305,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     split: bool | None = None, scratch: Scratch | None = None,
-                    config: LaunchConfig | None = None, validate: bool = True) -> torch.Tensor:
+                    config: LaunchConfig | None = None, validate: bool = True,
+                    fuse_merge: bool = True) -> torch.Tensor:
     """Attention of every new token over its sequence's paged KV (see the module doc and
     ``kernels.reference`` for the layouts and semantics). Returns ``out``.
 
@@ -274,6 +317,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     larger batch: ``query_start_loc`` holds absolute token indices into ``q``/``out``.
     ``validate=False`` skips the argument checks (a caller on the hot path that checked
     its layouts once). A split launch with one segment per row writes ``out`` directly.
+    The split path merges its segments inside the launch (the tile's last program to
+    finish) when the scratch carries counters (``Scratch.counter``; allocated here when
+    ``scratch`` is None and ``fuse_merge``), else with a second launch.
     """
     if validate:
         _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, out)
@@ -294,20 +340,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tile_n, num_warps, num_stages = config or launch_config(device_capability(q.device), split)
     split = split and splits > 1  # one segment: the tile is the whole row, no merge needed
     if not split:
-        part = Scratch(out, out, out)  # unused
+        part = Scratch(out, out, out)  # unused (no counter: nothing to fuse)
     elif scratch is None:
-        part = Scratch.empty(num_tokens, num_q_heads, splits, head_dim, q.device)
+        part = Scratch.empty(num_tokens, num_q_heads, splits, head_dim, q.device,
+                             num_kv_heads if fuse_merge else None)
     else:
         fits = (scratch.acc.shape[0] >= num_tokens and tuple(scratch.acc.shape[1:]) == (num_q_heads, splits, head_dim)
                 and scratch.m.shape == scratch.l.shape == scratch.acc.shape[:3]
-                and all(t.is_contiguous() and t.dtype == torch.float32 for t in scratch))
+                and all(t.is_contiguous() and t.dtype == torch.float32 for t in scratch[:3]))
         if not fits:
             raise ValueError(f"scratch {tuple(scratch.acc.shape)} does not fit [>= {num_tokens}, {num_q_heads}, "
                              f"{splits}, {head_dim}] (contiguous float32)")
+        if scratch.counter is not None and (scratch.counter.dtype != torch.int32
+                                            or scratch.counter.numel() < num_seqs * q_tiles * num_kv_heads):
+            raise ValueError(f"scratch counter: int32 with >= {num_seqs * q_tiles * num_kv_heads} entries "
+                             f"({num_seqs} sequences x {q_tiles} query tiles x {num_kv_heads} KV heads)")
         part = scratch
+    fuse = split and part.counter is not None
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _tile_attention[(num_seqs * q_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part.m, part.l, part.acc,
+        q, k_cache, v_cache, out, part.m, part.l, part.acc, part.counter if fuse else seq_lens,
         block_table, seq_lens, query_start_loc,
         float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1], q_tiles,
         q.stride(0), q.stride(1),
@@ -317,11 +369,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0),
         num_q_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        TILE_N=tile_n, NUM_SPLITS=splits, SPLIT=split, USE_SOFTCAP=softcap is not None,
+        TILE_N=tile_n, NUM_SPLITS=splits, SPLIT=split, FUSE_MERGE=fuse, USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, **extra,
     )
-    if split:
+    if split and not fuse:
         _merge_splits[(num_seqs * max_query_len, num_q_heads)](
             part.m, part.l, part.acc, out, query_start_loc, out.stride(0), out.stride(1), num_q_heads, max_query_len,
             NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,

@@ -115,16 +115,16 @@ def vllm_config(
 
 
 def build(cls, model: Path, *, num_blocks: int = 10_000, graph_sizes: list[int] | None = None,
-          **settings):
+          graph_mode: str = "FULL_AND_PIECEWISE", **settings):
     """A `cls` scheduler over a hand-written KV-cache config; `settings` as for `vllm_config`.
 
-    `graph_sizes`: the CUDA-graph capture sizes of a GPU server (vLLM's default mode,
-    FULL_AND_PIECEWISE); on the CPU vLLM turns graphs off, so they are set after the fact.
+    `graph_sizes`, `graph_mode`: the CUDA-graph capture sizes and mode of a GPU server
+    (vLLM's default mode); on the CPU vLLM turns graphs off, so they are set after the fact.
     """
     config = vllm_config(model, **settings)
     if graph_sizes:
         compilation = config.compilation_config
-        compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        compilation.cudagraph_mode = CUDAGraphMode[graph_mode]
         compilation.cudagraph_capture_sizes = sorted(graph_sizes)
         compilation.max_cudagraph_capture_size = max(graph_sizes)
     cache_config = config.cache_config

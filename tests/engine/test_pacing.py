@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -254,6 +255,15 @@ def test_adaptive_holds_the_target(cls, depth, target_ms, bias, jitter, tiny_mod
     assert abs(p99 / target - 1) <= 0.10, (p99, target)
     assert median >= target * 0.80, (median, target)  # it uses the room it has
     assert engine.scheduler.pacer.model.samples >= 30
+
+
+@pytest.mark.parametrize("graphs, warned", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
+def test_adaptive_on_piecewise_mixed_steps_says_to_use_full_graphs(graphs, warned, tiny_model, pacing_env,
+                                                                     caplog):
+    pacing_env("adaptive", target_itl_ms=15)
+    with caplog.at_level(logging.WARNING, logger="vllm.prefill_gate"):
+        build(PacedScheduler, tiny_model, graph_sizes=DEFAULT_GRAPH_SIZES, graph_mode=graphs)
+    assert ("cudagraph_mode" in caplog.text) == warned
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,31 @@ def test_a_batch_split_between_the_two_paths(two_d_first):
                         split=True, num_kv_splits=8, scratch=scratch)
 
 
+def test_fused_merge_matches_the_merge_launch_and_leaves_counters_zero():
+    """Split rows merged by the tile's last program (counters in the scratch) match the
+    two-launch path (float32 rounding apart: the fused merge folds the segments in turn),
+    the same launch repeated gives the same bits, and every counter is back at zero after
+    each launch: one zeroed buffer serves every layer and every CUDA-graph replay."""
+    case = make_case(16, [1, 4, 3, 2, 1], [90, 33, 200, 70, 500], 8, 2, 64, torch.float32, random.randrange(1 << 30))
+    args = {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")}
+    fused = Scratch.empty(16, 8, 4, 64, "cpu", num_kv_heads=2)
+    separate = Scratch(*fused[:3])  # no counters: the merge launch
+    assert fused.counter is not None and separate.counter is None
+    outs = []
+    for scratch in (fused, separate, fused):  # the second fused launch reuses the counters
+        out = torch.full_like(case["q"], float("nan"))
+        paged_attention(**args, scale=case["scale"], max_query_len=4, out=out, split=True, num_kv_splits=4,
+                        scratch=scratch)
+        assert not fused.counter.any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2])
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-6
+    assert_close(outs[0], paged_attention_ref(**args, scale=case["scale"]), torch.float32)
+    short = Scratch(*fused[:3], torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="scratch counter"):
+        paged_attention(**args, scale=case["scale"], max_query_len=4, split=True, num_kv_splits=4, scratch=short)
+
+
 @pytest.mark.parametrize("page", [16, 544])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batches(page, dtype):
