@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 ROWS = 32  # query-tile rows: BLOCK_Q positions x GROUP_PAD heads
+MERGE_ROWS = 4  # rows the fused merge combines at a time
 SPLIT_MAX_QUERY = 8  # rows with query length <= this take the split-KV path
 HEAD_DIMS = (64, 80, 96, 128, 256)
 
@@ -126,6 +127,7 @@ def _tile_attention(
     NUM_SPLITS: tl.constexpr,
     SPLIT: tl.constexpr,
     FUSE_MERGE: tl.constexpr,  # split path: the tile's last program to finish merges
+    MERGE_ROWS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact dots, not TF32
@@ -213,24 +215,26 @@ def _tile_attention(
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
             if arrived == NUM_SPLITS - 1:
                 tl.atomic_xchg(counter_ptr + tile, 0)  # zero for the next launch or replay
-                base = (token * num_q_heads + head) * NUM_SPLITS  # [BLOCK_M]
-                m_all = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
-                l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc_all = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-                for j in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(part_m_ptr + base + j, mask=row_ok, other=-1e30, cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + base + j, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    acc_s = tl.load(part_acc_ptr + (base + j)[:, None] * HEAD_DIM + d[None, :],
-                                    mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, m_s)  # empty segments carry -1e30: weight 0
-                    a = tl.exp(m_all - m_new)
-                    b = tl.exp(m_s - m_new)
-                    l_all = l_all * a + l_s * b
-                    acc_all = acc_all * a[:, None] + acc_s * b[:, None]
-                    m_all = m_new
-                out = acc_all / l_all[:, None]
-                tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                # MERGE_ROWS rows at a time, from the partials alone: the registers of the
+                # loop above are dead here, and one [rows, splits, head_dim] tile stays small.
+                sp = tl.arange(0, NUM_SPLITS)
+                for c in tl.static_range(BLOCK_M // MERGE_ROWS):
+                    r = c * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+                    r_idx = q_tile * BLOCK_Q + r // GROUP_PAD
+                    r_ok = (r_idx < n_new) & (r % GROUP_PAD < GROUP)
+                    r_token = q_start + r_idx
+                    r_head = kv_head * GROUP + r % GROUP_PAD
+                    base = (r_token * num_q_heads + r_head) * NUM_SPLITS  # [MERGE_ROWS]
+                    slot = base[:, None] + sp[None, :]  # [MERGE_ROWS, NUM_SPLITS]
+                    m_s = tl.load(part_m_ptr + slot, mask=r_ok[:, None], other=-1e30, cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + slot, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(part_acc_ptr + slot[:, :, None] * HEAD_DIM + d[None, None, :],
+                                    mask=r_ok[:, None, None] & d_ok[None, None, :], other=0.0,
+                                    cache_modifier=".cg")  # [MERGE_ROWS, NUM_SPLITS, HEAD_DIM_PAD]
+                    w = tl.exp(m_s - tl.max(m_s, 1)[:, None])  # empty segments carry -1e30: weight 0
+                    merged = tl.sum(acc_s * w[:, :, None], 1) / tl.sum(l_s * w, 1)[:, None]
+                    tl.store(out_ptr + r_token[:, None] * stride_o_t + r_head[:, None] * stride_o_h + d[None, :],
+                             merged.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -369,7 +373,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0),
         num_q_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        TILE_N=tile_n, NUM_SPLITS=splits, SPLIT=split, FUSE_MERGE=fuse, USE_SOFTCAP=softcap is not None,
+        TILE_N=tile_n, NUM_SPLITS=splits, SPLIT=split, FUSE_MERGE=fuse, MERGE_ROWS=MERGE_ROWS,
+        USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, **extra,
     )
