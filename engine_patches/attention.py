@@ -185,9 +185,16 @@ class SplitRowsMetadataBuilder(TritonAttentionMetadataBuilder):
             num_reqs=common.num_reqs)
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Is a CUDA graph being recorded on the stream that `t`'s kernels go to?"""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class SplitRowsAttentionImpl(TritonAttentionImpl):
     """vLLM's Triton impl (KV cache layout and write) with the attention itself done by
-    two launches of `kernels.paged_attention`."""
+    `kernels.paged_attention`: one split-KV launch for the leading decode/verify rows (its
+    merge fused in when run eagerly, a second launch under CUDA-graph capture) and one 2-D
+    launch for the rest."""
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
@@ -236,9 +243,15 @@ class SplitRowsAttentionImpl(TritonAttentionImpl):
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         if m.num_split:
             t = m.split_tokens
+            scratch = m.scratch
+            if _capturing(query):
+                # Replayed from a graph a launch costs the host nothing: the merge as its own
+                # launch is faster on the GPU (H200: 98 vs 111 us at 4k, 551 vs 623 at 32k). Run
+                # eagerly, the fused merge's one launch saves the host 20-30 us per layer.
+                scratch = scratch._replace(counter=None)
             paged_attention(query[:t], key_cache, value_cache, m.block_table, *m.split_rows, scale=self.scale,
                             max_query_len=m.max_split_query_len, out=output[:t], split=True,
-                            num_kv_splits=m.num_kv_splits, scratch=m.scratch, sliding_window=self.window,
+                            num_kv_splits=m.num_kv_splits, scratch=scratch, sliding_window=self.window,
                             softcap=self.softcap, validate=validate)
         if m.num_split < m.num_reqs:
             t = m.num_actual_tokens

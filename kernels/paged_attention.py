@@ -12,8 +12,11 @@ Two launches, chosen by the launcher from ``max_query_len``:
               positions its tile may see; writes ``out`` directly.
   split-KV    (query length <= 8: decode and speculative-verify rows): the positions are
               cut into ``num_kv_splits`` segments, one program each, writing partial
-              (max, sum, acc) to a scratch buffer; a reduce kernel merges them. Short
-              queries over long contexts otherwise leave most of the GPU idle.
+              (max, sum, acc) to a scratch buffer, merged either by the tile's last
+              program to finish (an arrival counter in the scratch: one launch, what an
+              eager step wants) or by a second, merge launch (faster on the GPU: what a
+              CUDA graph should record). Short queries over long contexts otherwise leave
+              most of the GPU idle.
 
 Semantics are ``kernels.reference.paged_attention_ref``'s (the executable
 specification): causal within each sequence's new tokens, optional sliding window and

@@ -165,6 +165,32 @@ def test_forward_matches_the_reference_on_every_row(tiny_model, monkeypatch, mod
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("capturing, fused", [(False, True), (True, False)])
+def test_merge_fused_when_eager_and_a_launch_of_its_own_under_capture(tiny_model, monkeypatch, capturing, fused):
+    """Eager steps pay the host per launch, so the split rows merge inside their launch;
+    a captured graph replays launches for free, so it records the GPU-faster two launches."""
+    b = make_builder(tiny_model, monkeypatch, mode="auto", k=3)
+    m = b.build(0, common([1, 4, 1], [90, 33, 200], [False] * 3, seed=2))
+    kv, k_cache, v_cache = packed_cache(m)
+    q = torch.randn(m.num_actual_tokens, HQ, D, generator=torch.Generator().manual_seed(3))
+    out = torch.full_like(q, float("nan"))
+    seen = []
+    real = attn.paged_attention
+
+    def spy(*args, **kw):
+        if kw.get("split"):
+            seen.append(kw["scratch"].counter is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attn, "paged_attention", spy)
+    monkeypatch.setattr(attn, "_capturing", lambda t: capturing)
+    make_impl().forward(None, q, None, None, kv, m, out)
+    assert seen == [fused]
+    ref = paged_attention_ref(q, k_cache, v_cache, m.block_table, m.seq_lens, m.query_start_loc, scale=D ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert not b._counter.any()
+
+
 def test_the_profiling_run_zeroes_the_output():
     out = torch.ones(3, HQ, D)
     make_impl().forward(None, torch.ones(3, HQ, D), None, None, None, None, out)
