@@ -271,6 +271,18 @@ def main(args) -> int:
     return 0
 
 
+def _die_with(parent: int) -> None:
+    """In a forked child: SIGTERM when `parent` dies, however it dies (a SIGKILLed parent
+    runs no cleanup, and its children would serve on, holding the port)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
+
+
 def serve_stamp(port: int, procs: int = 1) -> None:
     """The stamping upstream; `procs` processes accept on one listening socket."""
     import socket
@@ -282,10 +294,12 @@ def serve_stamp(port: int, procs: int = 1) -> None:
     sock.bind(("127.0.0.1", port))
     sock.listen(4096)
     children = []
+    parent = os.getpid()
     for _ in range(procs - 1):
         pid = os.fork()
         if pid == 0:
             children = []
+            _die_with(parent)
             break
         children.append(pid)
     try:
