@@ -26,6 +26,11 @@
 #            256 and 128 (default graphs), 256 with full graphs; paced 8192 (cap 256/128
 #            aligned and not, adaptive 15/20, adaptive 15 with STEP_QUANTUM 128); paced
 #            8192 with full graphs (cap 128, adaptive 12/15)
+#   BATCH=7: every method in one run, two waves of servers (GPU memory holds five):
+#            unpatched 8192, --long-prefill-token-threshold 256, --max-num-batched-tokens
+#            256, paced 8192 (cap 256, adaptive 15/20), paced full graphs (cap 128,
+#            adaptive 12/15/18); then threshold 128 and budget 128 (default graphs), budget
+#            128 and 256 (full graphs). ~9 minutes.
 #   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
 #            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
 #            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
@@ -82,24 +87,23 @@ case $BATCH in
        "paced-full 8005 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\"}")
      SETTINGS_paced="cap:256 adaptive:15 adaptive:20"
      SETTINGS_paced_full="cap:256 cap:128 adaptive:12 adaptive:15 adaptive:18" ;;
-  *) echo "BATCH must be 1 to 6"; exit 2 ;;
+  7) SERVERS=(
+       "stock-8192 8001 --max-num-batched-tokens 8192"
+       "lpt-256 8008 --max-num-batched-tokens 8192 --long-prefill-token-threshold 256"
+       "mnbt-256 8004 --max-num-batched-tokens 256"
+       "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS"
+       "paced-full 8005 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS --compilation-config {\"cudagraph_mode\":\"FULL\"}")
+     SERVERS2=(
+       "mnbt-128 8006 --max-num-batched-tokens 128"
+       "lpt-128 8009 --max-num-batched-tokens 8192 --long-prefill-token-threshold 128"
+       "mnbt-128-full 8012 --max-num-batched-tokens 128 --compilation-config {\"cudagraph_mode\":\"FULL\"}"
+       "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}")
+     SETTINGS_paced="cap:256 adaptive:15 adaptive:20"
+     SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15 adaptive:18" ;;
+  *) echo "BATCH must be 1 to 7"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
-
-gpu_info
-for s in "${SERVERS[@]}"; do
-  set -- $s; name=$1; port=$2; shift 2
-  say "starting $name on :$port ($*)"
-  echo "PREFILL_GATE_PACING=off" > "$RES/control-$name.env"
-  PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-$name.env start_server "$name" "$port" "$@"
-  sleep "$STAGGER"
-done
-for s in "${SERVERS[@]}"; do
-  set -- $s; name=$1; port=$2
-  if wait_health "$port" 420 "${PID_OF[$name]}"; then say "$name healthy"
-  else say "$name did not come up"; tail -20 "$RES/server-$name.log"; fi
-done
 
 late() { [ $(( $(date +%s) - t0 )) -gt "$DEADLINE" ] && say "deadline: skipping $1" ; }
 set_pacing() {  # server mode[:value[:variant]]; variant noalign (GRAPH_ALIGN=0) or q<N> (STEP_QUANTUM)
@@ -119,21 +123,52 @@ set_pacing() {  # server mode[:value[:variant]]; variant noalign (GRAPH_ALIGN=0)
   sleep 1
 }
 
-for s in "${SERVERS[@]}"; do
-  set -- $s; name=$1; port=$2
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null || continue
-  settings_var=SETTINGS_${name//-/_}
-  if [ -n "${!settings_var:-}" ]; then
-    for setting in ${!settings_var}; do
-      late "$name $setting" && continue
-      set_pacing "$name" "$setting"
-      bench "$name-${setting//:/-}" "http://127.0.0.1:$port"
-    done
-  else
-    late "$name" && continue
-    bench "$name" "http://127.0.0.1:$port"
-  fi
-done
+start_wave() {  # start the servers of one wave (an array's name), wait for their health
+  local -n wave=$1
+  local s name port
+  for s in "${wave[@]}"; do
+    set -- $s; name=$1; port=$2; shift 2
+    say "starting $name on :$port ($*)"
+    echo "PREFILL_GATE_PACING=off" > "$RES/control-$name.env"
+    PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-$name.env start_server "$name" "$port" "$@"
+    sleep "$STAGGER"
+  done
+  for s in "${wave[@]}"; do
+    set -- $s; name=$1; port=$2
+    if wait_health "$port" 420 "${PID_OF[$name]}"; then say "$name healthy"
+    else say "$name did not come up"; tail -20 "$RES/server-$name.log"; fi
+  done
+}
+
+bench_wave() {  # bench every server of a wave; a paced one once per setting in its SETTINGS_
+  local -n wave=$1
+  local s name port settings_var setting
+  for s in "${wave[@]}"; do
+    set -- $s; name=$1; port=$2
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null || continue
+    settings_var=SETTINGS_${name//-/_}
+    if [ -n "${!settings_var:-}" ]; then
+      for setting in ${!settings_var}; do
+        late "$name $setting" && continue
+        set_pacing "$name" "$setting"
+        bench "$name-${setting//:/-}" "http://127.0.0.1:$port"
+      done
+    else
+      late "$name" && continue
+      bench "$name" "http://127.0.0.1:$port"
+    fi
+  done
+}
+
+gpu_info
+start_wave SERVERS
+bench_wave SERVERS
+if [ -n "${SERVERS2+x}" ]; then  # a second wave in the same run, once the first is stopped
+  say "second wave: stopping the first"
+  cleanup; PIDS=()
+  start_wave SERVERS2
+  bench_wave SERVERS2
+fi
 grep -h "prefill-gate" "$RES"/server-paced*.log | tail -40 > "$RES/pacing-decisions.log" 2>/dev/null
 python3 bench/gpu/pacing_report.py "$RES" --out "$RES" || true
 tar czf "$OUT/pacing-$BATCH.tar.gz" -C "$RES" .
