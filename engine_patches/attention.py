@@ -282,25 +282,9 @@ class SplitRowsAttentionBackend(TritonAttentionBackend):
     def supports_head_size(cls, head_size: int) -> bool:
         return head_size in HEAD_DIMS
 
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_alibi_sqrt(cls) -> bool:
-        return False
+    # What vLLM asks a backend before choosing it; the split kernel does none of these.
+    supports_non_causal = supports_batch_invariance = supports_mm_prefix = supports_sink = \
+        supports_alibi_sqrt = classmethod(lambda cls: False)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

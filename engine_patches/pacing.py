@@ -202,9 +202,6 @@ class _PacingMixin:
         config = PacingConfig.from_env()
         align = self.need_mamba_block_aligned_split
         self._graph_sizes = _mixed_step_graph_sizes(self.vllm_config)
-        compilation = self.vllm_config.compilation_config
-        self._piecewise_mixed = bool(self._graph_sizes) and compilation.cudagraph_mode.mixed_mode() == (
-            _vllm.CUDAGraphMode.PIECEWISE)
         self.pacer = Pacer(
             config,
             block_size=self.cache_config.block_size if align else None,
@@ -221,7 +218,8 @@ class _PacingMixin:
 
     def _log_pacing(self) -> None:
         config = self.pacer.config
-        if config.mode == "adaptive" and self._piecewise_mixed:
+        piecewise = self.vllm_config.compilation_config.cudagraph_mode.mixed_mode() == _vllm.CUDAGraphMode.PIECEWISE
+        if config.mode == "adaptive" and self._graph_sizes and piecewise:
             logger.warning(
                 "prefill-gate adaptive pacing with piecewise CUDA graphs for mixed steps: their "
                 "attention runs outside the graphs and their time follows the host CPU, which the "

@@ -93,7 +93,8 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     reports = []
     tile = {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": max(1, ROWS // group_pad), "HEAD_DIM": head_dim,
             "HEAD_DIM_PAD": head_dim_pad, "TILE_N": tile_n, "NUM_SPLITS": 8 if split else 1, "SPLIT": split,
-            "FUSE_MERGE": split, "MERGE_ROWS": MERGE_ROWS, "USE_SOFTCAP": False, "USE_WINDOW": False, "IEEE": dtype == "fp32"}
+            "FUSE_MERGE": split, "MERGE_ROWS": MERGE_ROWS, "USE_SOFTCAP": False, "USE_WINDOW": False,
+            "IEEE": dtype == "fp32"}
     merge = {"NUM_SPLITS": 8, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad}
     kernels = [(_tile_attention, tile)] + ([(_merge_splits, merge)] if split else [])
     for fn, constexprs in kernels:

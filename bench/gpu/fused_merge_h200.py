@@ -7,7 +7,8 @@ sequences, decode (1 query token) and verify (4), contexts 4k and 32k. Per shape
 variant: GPU time (``triton.testing.do_bench``), the host's cost per call (a loop of
 launches without synchronizing, wall time / calls: what an eager vLLM step pays per
 layer) and the largest difference from the two-launch output; on a small case, both
-against the float32 reference; and that every arrival counter is zero after the runs. Prints a table and writes JSON with the GPU and versions.
+against the float32 reference; and that every arrival counter is zero after the runs.
+Prints a table and writes JSON with the GPU and versions.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.gpu.kernel_h200 import gpu_case  # noqa: E402
 from kernels.paged_attention import Scratch, paged_attention  # noqa: E402
 from kernels.reference import paged_attention_ref  # noqa: E402
 from tests.kernels.cases import make_case  # noqa: E402
 
 HQ, HKV, D, SPLITS = 32, 8, 128, 8
+INPUTS = ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")
 
 
 def host_us_per_call(fn, calls: int = 400) -> float:
@@ -42,24 +45,11 @@ def host_us_per_call(fn, calls: int = 400) -> float:
     return host / calls * 1e6
 
 
-def gpu_case(context: int, batch: int, qlen: int, page: int = 16) -> dict:
-    """Random inputs made on the GPU, pages shuffled."""
-    pages = -(-(context + qlen) // page)
-    blocks = batch * pages + 1
-    k = torch.randn(blocks, page, HKV, D, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(blocks - 1, device="cuda")[: batch * pages].view(batch, pages).to(torch.int32)
-    return {"q": torch.randn(batch * qlen, HQ, D, device="cuda", dtype=torch.bfloat16), "k_cache": k,
-            "v_cache": torch.randn_like(k), "block_table": table,
-            "seq_lens": torch.full((batch,), context + qlen, dtype=torch.int32, device="cuda"),
-            "query_start_loc": torch.arange(0, batch * qlen + 1, qlen, dtype=torch.int32, device="cuda")}
-
-
 def accuracy(qlen: int) -> dict:
     """Both variants against the float32 reference on a small case (the reference runs on the CPU)."""
     case = make_case(16, [qlen] * 3, [3000, 700, 4100], HQ, HKV, D, torch.bfloat16, qlen)
-    names = ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")
-    ref = paged_attention_ref(*(case[n] for n in names), scale=case["scale"])
-    gpu = {n: case[n].cuda() for n in names}
+    ref = paged_attention_ref(*(case[n] for n in INPUTS), scale=case["scale"])
+    gpu = {n: case[n].cuda() for n in INPUTS}
     fused = Scratch.empty(gpu["q"].shape[0], HQ, SPLITS, D, "cuda", num_kv_heads=HKV)
     errs = {}
     for name, scratch in (("fused", fused), ("2 launch", Scratch(*fused[:3]))):
@@ -81,7 +71,8 @@ def main() -> None:
     print(f"{'shape':<18} {'variant':<9} {'GPU us':>8} {'host us/call':>13} {'vs 2 launch':>12}")
     for qlen in (1, 4):
         for context in (4096, 32768):
-            case = gpu_case(context, 16, qlen)
+            case = gpu_case(16, context, 16, qlen)
+            inputs = {n: case[n] for n in INPUTS}
             tokens = case["q"].shape[0]
             fused = Scratch.empty(tokens, HQ, SPLITS, D, "cuda", num_kv_heads=HKV)
             outs = {}
@@ -89,7 +80,7 @@ def main() -> None:
                 out = torch.empty_like(case["q"])
 
                 def run(scratch=scratch, out=out):
-                    paged_attention(**case, scale=D ** -0.5, max_query_len=qlen, out=out, split=True,
+                    paged_attention(**inputs, scale=case["scale"], max_query_len=qlen, out=out, split=True,
                                     num_kv_splits=SPLITS, scratch=scratch, validate=False)
 
                 run()

@@ -26,30 +26,13 @@ PROJECTIONS = {  # name: (in_features, out_features)
 }
 
 
-def time_linear(torch, x, w, iters: int) -> float:
-    """Median milliseconds of F.linear(x, w) over `iters` timed launches."""
-    f = torch.nn.functional.linear
-    for _ in range(3):
-        f(x, w)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        f(x, w)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="64:577:8", help="start:stop:step of step sizes N")
-    p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json")
     args = p.parse_args()
     import torch
+    from triton.testing import do_bench
 
     start, stop, step = (int(v) for v in args.tokens.split(":"))
     weights = {k: torch.randn(o, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5
@@ -60,7 +43,8 @@ def main() -> None:
         ms = {}
         for k, w in weights.items():
             x = torch.randn(n, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            ms[k] = time_linear(torch, x, w, args.iters)
+            ms[k] = do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=3, rep=20,
+                             return_mode="median")
         total = LAYERS * sum(ms.values())
         rows.append({"tokens": n, **{f"{k}_ms": v for k, v in ms.items()}, "layers_ms": total})
         print(f"{n:>5} {ms['qkv']:>7.3f} {ms['o']:>7.3f} {ms['gate_up']:>8.3f} {ms['down']:>7.3f} "

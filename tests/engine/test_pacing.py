@@ -7,10 +7,13 @@ import math
 import random
 
 import pytest
-
 from vllm.config.compilation import CUDAGraphMode
 
-from engine_patches.pacing import PacedAsyncScheduler, PacedScheduler, _mixed_step_graph_sizes
+from engine_patches.pacing import (
+    PacedAsyncScheduler,
+    PacedScheduler,
+    _mixed_step_graph_sizes,
+)
 from tests.engine.harness import DEFAULT_GRAPH_SIZES, Engine, build, vllm_config
 
 CLASSES = [

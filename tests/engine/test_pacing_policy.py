@@ -10,6 +10,7 @@ import pytest
 from engine_patches.config import PacingConfig, PacingConfigError
 from engine_patches.cost_model import StepCostModel, features
 from engine_patches.pacing import Pacer
+from tests.engine.harness import DEFAULT_GRAPH_SIZES
 
 
 def test_defaults_are_off():
@@ -99,18 +100,15 @@ def test_plan_only_acts_while_decoding_with_prefill_pending():
     assert plan(pacer).prefill_cap == 256
 
 
-SIZES_512 = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM's defaults up to 512
-
-
 def test_graph_clamp_and_block_floor():
-    clamped = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_align=False), graph_sizes=SIZES_512)
+    clamped = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_align=False), graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(clamped, decode_tokens=1).prefill_cap == 511
     assert plan(clamped, decode_tokens=4).prefill_cap == 508
     assert plan(clamped, decode_tokens=600).prefill_cap == 512  # no graph fits anyway
     free = Pacer(PacingConfig(mode="cap", cap_tokens=512, graph_clamp=False, graph_align=False),
-                 graph_sizes=SIZES_512)
+                 graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(free).prefill_cap == 512
-    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=512), block_size=1568, graph_sizes=SIZES_512)
+    aligned = Pacer(PacingConfig(mode="cap", cap_tokens=512), block_size=1568, graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(aligned).prefill_cap == 1568  # never below one block
     aligned = Pacer(PacingConfig(mode="cap", cap_tokens=4000), block_size=1568)
     assert plan(aligned).prefill_cap == 3136  # whole blocks
@@ -130,9 +128,9 @@ def test_graph_clamp_and_block_floor():
     ],
 )
 def test_caps_fill_a_graph_size(cap, decode_tokens, expected):
-    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap), graph_sizes=SIZES_512)
+    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap), graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(pacer, decode_tokens=decode_tokens).prefill_cap == expected
-    unaligned = Pacer(PacingConfig(mode="cap", cap_tokens=cap, graph_align=False), graph_sizes=SIZES_512)
+    unaligned = Pacer(PacingConfig(mode="cap", cap_tokens=cap, graph_align=False), graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(unaligned, decode_tokens=decode_tokens).prefill_cap == (
         min(cap, 512 - decode_tokens) if decode_tokens < 512 else cap)
 
@@ -143,7 +141,7 @@ def test_caps_fill_a_graph_size(cap, decode_tokens, expected):
 )
 def test_step_quantum_lowers_the_step_to_whole_tiles(cap, decode_tokens, expected):
     """Below one quantum only the graph alignment applies; a step never loses its prefill."""
-    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap, step_quantum=128), graph_sizes=SIZES_512)
+    pacer = Pacer(PacingConfig(mode="cap", cap_tokens=cap, step_quantum=128), graph_sizes=DEFAULT_GRAPH_SIZES)
     assert plan(pacer, decode_tokens=decode_tokens).prefill_cap == expected
 
 
