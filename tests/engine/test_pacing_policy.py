@@ -49,22 +49,23 @@ def test_every_mode_describes_itself():
 
 
 def test_model_recovers_a_known_law():
-    truth = (0.0049, 0.0002, 0.021, 0.0011)
+    truth = (0.0049, 0.0002, 0.021, 0.0011, 0.004)
     model = StepCostModel(window=128)
     rng = random.Random(7)
-    for _ in range(200):
+    for i in range(200):
         rows = rng.randint(1, 8)
         start = rng.randint(0, 30_000)
-        n = rng.randint(16, 1024)
-        x = features(rows, [(start, n)])
+        n = rng.randint(16, 1024) if i % 3 else 0  # a third decode-only
+        x = features(rows, [(start, n)] if n else [])
         y = sum(t * f for t, f in zip(truth, x)) * rng.uniform(0.98, 1.02)
         model.observe(x, y)
-    for got, want in zip(model.coefficients, truth):
+    for got, want in zip(model.coefficients, truth, strict=True):
         assert got == pytest.approx(want, rel=0.15, abs=2e-4)
     # Inverting it lands on the target.
     n = model.prefill_budget(0.015, 1, 20_000)
     predicted = model.predict(features(1, [(20_000, int(n))]))
     assert predicted == pytest.approx(0.015, rel=0.02)
+    assert model.mixed_step_floor(1) == pytest.approx(0.0049 + 0.0002 + 0.004, rel=0.05)
 
 
 def test_model_budget_edges():
@@ -85,6 +86,16 @@ def test_window_forgets_old_steps():
     for _ in range(16):
         model.observe(features(1, [(0, 512)]), 0.020)
     assert model.predict(features(1, [(0, 512)])) == pytest.approx(0.020, rel=0.01)
+
+
+def test_a_decode_only_stretch_keeps_what_prefill_costs():
+    model = StepCostModel(window=32, decode_window=8)
+    for n in (64, 128, 256, 512) * 8:
+        model.observe(features(1, [(0, n)]), 0.009 + 2e-5 * n)
+    for _ in range(1000):  # a stream decoding alone
+        model.observe(features(1, []), 0.0047)
+    assert (model.samples, model.prefill_samples) == (40, 32)
+    assert model.predict(features(1, [(0, 256)])) == pytest.approx(0.009 + 2e-5 * 256, rel=0.02)
 
 
 def plan(pacer, **kw):
