@@ -30,7 +30,10 @@
 #            unpatched 8192, --long-prefill-token-threshold 256, --max-num-batched-tokens
 #            256, paced 8192 (cap 256, adaptive 15/20), paced full graphs (cap 128,
 #            adaptive 12/15/18); then threshold 128 and budget 128 (default graphs), budget
-#            128 and 256 (full graphs). ~9 minutes.
+#            128 and 256 (full graphs), and paced-cold: a paced server whose first setting
+#            is adaptive (15, then 18 ms), so its first overlap starts from an empty fit.
+#            WAVES="1" then WAVES="2" split it over two calls of a warm machine (WORK
+#            keeps the results of both); the default "1 2" needs ~11 minutes.
 #   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
 #            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
 #            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
@@ -97,9 +100,11 @@ case $BATCH in
        "mnbt-128 8006 --max-num-batched-tokens 128"
        "lpt-128 8009 --max-num-batched-tokens 8192 --long-prefill-token-threshold 128"
        "mnbt-128-full 8012 --max-num-batched-tokens 128 --compilation-config {\"cudagraph_mode\":\"FULL\"}"
-       "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}")
+       "mnbt-256-full 8011 --max-num-batched-tokens 256 --compilation-config {\"cudagraph_mode\":\"FULL\"}"
+       "paced-cold 8013 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS")
      SETTINGS_paced="cap:256 adaptive:15 adaptive:20"
-     SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15 adaptive:18" ;;
+     SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15 adaptive:18"
+     SETTINGS_paced_cold="adaptive:15 adaptive:18" ;;
   *) echo "BATCH must be 1 to 7"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
@@ -161,14 +166,15 @@ bench_wave() {  # bench every server of a wave; a paced one once per setting in 
 }
 
 gpu_info
-start_wave SERVERS
-bench_wave SERVERS
-if [ -n "${SERVERS2+x}" ]; then  # a second wave in the same run, once the first is stopped
-  say "second wave: stopping the first"
-  cleanup; PIDS=()
-  start_wave SERVERS2
-  bench_wave SERVERS2
-fi
+started=0
+for wave in ${WAVES:-1 2}; do  # wave 2 (SERVERS2, where a batch has one) once wave 1 is stopped
+  servers=SERVERS; [ "$wave" = 2 ] && servers=SERVERS2
+  declare -p "$servers" >/dev/null 2>&1 || continue
+  if [ $started = 1 ]; then say "wave $wave: stopping the previous wave"; cleanup; PIDS=(); fi
+  started=1
+  start_wave "$servers"
+  bench_wave "$servers"
+done
 grep -h "prefill-gate" "$RES"/server-paced*.log | tail -40 > "$RES/pacing-decisions.log" 2>/dev/null
 python3 bench/gpu/pacing_report.py "$RES" --out "$RES" || true
 tar czf "$OUT/pacing-$BATCH.tar.gz" -C "$RES" .

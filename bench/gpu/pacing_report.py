@@ -46,6 +46,7 @@ METHODS = {
     "paced-full-off": "paced server, full graphs, pacing off",
     "paced-full-cap": "pacing cap, full CUDA graphs",
     "paced-full-adaptive": "pacing adaptive, full CUDA graphs (target ms)",
+    "paced-cold-adaptive": "pacing adaptive, its server's first setting: an empty fit (target ms)",
     "paced-fullcr-off": "paced server, full graphs + small-step compile, pacing off",
     "paced-fullcr-cap": "pacing cap, full graphs + small-step compile",
     "paced-fullcr-adaptive": "pacing adaptive, full graphs + small-step compile (target ms)",
@@ -56,7 +57,7 @@ def classify(config: str) -> tuple[str, int | None]:
     m = re.fullmatch(r"(stock|mnbt|lpt)-(\d+)(-full)?", config)
     if m:
         return m.group(1) + (m.group(3) or ""), int(m.group(2))
-    m = re.fullmatch(r"(paced(?:-full|-fullcr|-fb)?)-(off|cap|cadence|adaptive)(?:-(\d+))?(?:-(noalign|q128))?",
+    m = re.fullmatch(r"(paced(?:-full|-fullcr|-fb|-cold)?)-(off|cap|cadence|adaptive)(?:-(\d+))?(?:-(noalign|q128))?",
                      config)
     if m:
         method = f"{m.group(1)}-{m.group(2)}" + (f"-{m.group(4)}" if m.group(4) else "")
@@ -102,6 +103,7 @@ PLOTTED = {
     "paced-cap": ("pacing cap", "tab:blue", "o"),
     "paced-fb-adaptive": ("pacing adaptive (target ms)", "tab:green", "^"),
     "paced-adaptive": ("pacing adaptive (target ms)", "tab:green", "^"),
+    "paced-cold-adaptive": ("pacing adaptive from an empty fit (target ms)", "tab:green", "v"),
     "paced-full-cap": ("pacing cap, full CUDA graphs", "tab:cyan", "o"),
     "paced-full-adaptive": ("pacing adaptive, full CUDA graphs (target ms)", "tab:olive", "^"),
 }
