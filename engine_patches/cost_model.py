@@ -1,16 +1,18 @@
 """An online model of engine step time, for adaptive pacing.
 
-    t = a + b * decode_rows + c * P / 1e3 + d * sum(n * (start + n / 2)) / 1e6 + e * [P > 0]
+    t = a + b * decode_rows + c * P / 1e3 + d * sum(n * (start + n / 2)) / 1e6
 
-where P is the step's prefill tokens, the fourth term is the attention work of its
+where P is the step's prefill tokens and the last term is the attention work of its
 prefill chunks (n new tokens each, starting at position `start`, attending to on average
-start + n / 2 positions), and the last is what any step with prefill costs over a decode
-step: with vLLM's default graphs a decode step replays one full CUDA graph while a mixed
-step runs piecewise graphs with attention outside them (on the H200: 4.9 ms for a decode
-step, ~10 ms with 128 prefill tokens). The coefficients are a ridge-regularised
-least-squares fit over sliding windows of measured steps, kept as running sums so an
-update costs O(25) and a solve O(125) float operations: cheap enough for every scheduler
-step.
+start + n / 2 positions). The coefficients are a ridge-regularised least-squares fit over
+sliding windows of measured steps, kept as running sums so an update costs O(16) and a
+solve O(64) float operations: cheap enough for every scheduler step.
+
+Every step the engine runs is fitted, a prompt's 8192-token steps with nobody decoding
+included: they span the token axis that small mixed steps alone leave collinear with the
+intercept. (On the H200, a fit of only the capped mixed steps, with a term for what a
+mixed step costs over a decode step, split the two wrongly within a few steps: a 13 ms
+mixed-step term next to a negative cost per token, and the target looked out of reach.)
 
 Steps with prefill and steps without it have a window each. A stream decoding alone for
 a while (the usual case between long prompts) then refreshes what a decode costs without
@@ -26,10 +28,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
-N_FEATURES = 5
+N_FEATURES = 4
 # A weak prior (an H100/H200-class GPU running an 8B model) so the first solves are sane;
 # measured steps outweigh it after a few samples.
-PRIOR = (0.005, 0.0001, 0.02, 0.002, 0.0)
+PRIOR = (0.005, 0.0001, 0.02, 0.002)
 PRIOR_WEIGHT = 1e-3
 
 
@@ -37,7 +39,7 @@ def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ..
     """Features of one step; chunks are (start, n) of each prefill chunk scheduled."""
     tokens = sum(n for _, n in chunks)
     attention = sum(n * (start + n / 2) for start, n in chunks)
-    return (1.0, float(decode_rows), tokens / 1e3, attention / 1e6, 1.0 if tokens else 0.0)
+    return (1.0, float(decode_rows), tokens / 1e3, attention / 1e6)
 
 
 class StepCostModel:
@@ -48,6 +50,7 @@ class StepCostModel:
         self._xtx = [[0.0] * N_FEATURES for _ in range(N_FEATURES)]
         self._xty = [0.0] * N_FEATURES
         self._theta: tuple[float, ...] = PRIOR
+        self._mixed = 0
         self._dirty = False
 
     @property
@@ -55,9 +58,9 @@ class StepCostModel:
         return sum(len(w) for w in self._windows)
 
     @property
-    def prefill_samples(self) -> int:
-        """Steps in the fit that ran prefill tokens."""
-        return len(self._windows[1])
+    def mixed_samples(self) -> int:
+        """Steps in the fit that ran prefill tokens next to decodes."""
+        return self._mixed
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -80,19 +83,14 @@ class StepCostModel:
         self._accumulate(x, seconds, 1.0)
         self._dirty = True
 
-    def mixed_step_floor(self, decode_rows: int) -> float:
-        """Predicted time of a step with these decodes and the least prefill."""
-        a, b, _, _, e = self.coefficients
-        return a + b * decode_rows + max(e, 0.0)
-
     def prefill_budget(self, target_s: float, decode_rows: int, start: int) -> float:
         """Largest n with predicted time of (decode_rows, one chunk (start, n)) <= target.
 
         Returns 0.0 when even an empty step is predicted over the target, and inf when
         the fitted prefill cost is not positive (the model has not seen prefill yet).
         """
-        a, b, c, d, e = self.coefficients
-        room = target_s - a - b * decode_rows - e
+        a, b, c, d = self.coefficients
+        room = target_s - a - b * decode_rows
         if room <= 0:
             return 0.0
         # room = c * n / 1e3 + d * n * (start + n / 2) / 1e6, solved for n >= 0.
@@ -104,6 +102,8 @@ class StepCostModel:
         return (-lin + math.sqrt(disc)) / (2 * quad)
 
     def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
+        if x[1] > 0 and x[2] > 0:
+            self._mixed += int(sign)
         for i in range(N_FEATURES):
             xi = sign * x[i]
             self._xty[i] += xi * y

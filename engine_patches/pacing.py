@@ -53,7 +53,9 @@ logger = _vllm.init_logger("vllm.prefill_gate.pacing")
 
 # Intervals longer than this include idle time or a stall, not a step.
 MAX_STEP_SECONDS = 2.0
-# Adaptive mode keeps its starting cap until the fit has this many steps with prefill.
+# Adaptive mode keeps its starting cap until the fit has this many mixed steps (prefill
+# next to decodes): a line through decode-only and prefill-only steps misses what a small
+# mixed step costs (with piecewise graphs, several ms of its own).
 MIN_FIT_SAMPLES = 8
 # Adaptive mode's feedback on top of the model: it aims the predicted step time at
 # target * aim and moves `aim` so that about AIM_QUANTILE of the measured mixed steps
@@ -79,7 +81,6 @@ class StepPlan:
 class _StepRecord:
     tokens: int
     x: tuple[float, ...]
-    paced: bool  # a step pacing shaped (decodes, capped prefill or none): the fit's domain
 
 
 class Pacer:
@@ -136,23 +137,23 @@ class Pacer:
 
     def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int | None:
         """The prefill tokens the fitted model allows within the target, or None when the
-        model predicts that even the smallest step with prefill takes longer than it.
+        model predicts that even a step without prefill takes longer than the target.
 
         The aim scales only the prefill's share of the target (target minus the predicted
-        step with decodes and a token of prefill): when steps come out slower than
-        predicted the tracker shrinks the prefill, but it can never talk the budget down
-        to nothing. A target the model says is out of reach (e.g. steps bound by the host
-        CPU, whose time does not shrink with the prefill) falls back to CAP_TOKENS:
-        smaller chunks would only slow the prompt, not speed up the decodes.
+        step without prefill): when steps come out slower than predicted the tracker
+        shrinks the prefill, but it can never talk the budget down to nothing. A target
+        the model says is out of reach (e.g. steps bound by the host CPU, whose time does
+        not shrink with the prefill) falls back to CAP_TOKENS: smaller chunks would only
+        slow the prompt, not speed up the decodes.
         """
-        if self.model.prefill_samples < MIN_FIT_SAMPLES:
+        if self.model.mixed_samples < MIN_FIT_SAMPLES:
             return self.config.cap_tokens
         assert self.config.target_itl_s is not None
         target = self.config.target_itl_s
-        floor = self.model.mixed_step_floor(decode_rows)
-        if floor >= target:
+        base = self.model.predict(features(decode_rows, []))
+        if base >= target:
             return None
-        n = self.model.prefill_budget(floor + self.aim * (target - floor), decode_rows, prefill_start)
+        n = self.model.prefill_budget(base + self.aim * (target - base), decode_rows, prefill_start)
         if math.isinf(n):
             return self.config.cap_tokens
         return max(self.config.min_tokens, int(n))
@@ -326,8 +327,7 @@ class _PacingMixin:
                 start = self.requests[req_id].num_computed_tokens - n
                 chunks.append((start, n))
         x = features(decode_rows, chunks)
-        paced = decode_rows > 0 and (plan.prefill_cap is not None or not chunks)
-        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, paced))
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x))
         self.pacing_telemetry.step(
             decode_rows=decode_rows,
             prefill_tokens=sum(n for _, n in chunks),
@@ -349,10 +349,7 @@ class _PacingMixin:
         if any(s.tokens == 0 for s in list(steps)[-1 - lag :]):
             return
         seconds = now - last
-        # Steps pacing does not shape (a prompt alone, thousands of tokens a step) stay out
-        # of the fit: a step's cost is not linear over that range, and the line through
-        # them misjudges the small mixed steps the fit is for.
-        if measured.paced and 0 < seconds < MAX_STEP_SECONDS:
+        if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds)
             if measured.x[1] > 0 and measured.x[2] > 0:  # decodes next to prefill
                 self.pacer.feedback(seconds)

@@ -26,7 +26,7 @@ logger = logging.getLogger("vllm.prefill_gate.pacing")  # vLLM's handlers cover 
 
 STEP_KINDS = ("decode_only", "mixed", "prefill_only", "deferred")
 TERMS = ("intercept_seconds", "per_decode_row_seconds", "per_1k_prefill_tokens_seconds",
-         "per_1m_attention_pairs_seconds", "mixed_step_seconds")
+         "per_1m_attention_pairs_seconds")
 
 
 class PacingMetrics:
