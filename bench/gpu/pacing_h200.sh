@@ -36,6 +36,8 @@
 #            keeps the results of both); the default "1 2" needs ~11 minutes.
 #   BATCH=8: batch 7's servers again, after adaptive mode's fit changed (a window for the
 #            steps with prefill, a cold start counted in mixed steps).
+#   BATCH=9: the default-graph pairs at both sizes in one short run: budget 128 and 256
+#            against pacing cap 128 and 256 (batch 8 had no paced cap 128 on default graphs).
 #   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
 #            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
 #            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
@@ -107,7 +109,12 @@ case $BATCH in
      SETTINGS_paced="cap:256 adaptive:15 adaptive:20"
      SETTINGS_paced_full="cap:128 adaptive:12 adaptive:15 adaptive:18"
      SETTINGS_paced_cold="adaptive:15 adaptive:18" ;;
-  *) echo "BATCH must be 1 to 8"; exit 2 ;;
+  9) SERVERS=(
+       "mnbt-128 8006 --max-num-batched-tokens 128"
+       "mnbt-256 8004 --max-num-batched-tokens 256"
+       "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS")
+     SETTINGS_paced="cap:128 cap:256" ;;
+  *) echo "BATCH must be 1 to 9"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
