@@ -31,6 +31,10 @@ validated when the scheduler is built; an error names the variable and what it a
                                      environment, re-read when it changes: retune pacing
                                      without restarting vLLM (sweeps, operators). A bad
                                      file is logged and the running settings kept. (unset)
+    PREFILL_GATE_PACING_TRACE_FILE   append one JSON line per engine step to this file:
+                                     decode rows, prefill chunks (start, tokens), cap,
+                                     aim and the model's prediction; for diagnosis, not
+                                     for production (unset)
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ batch queue (depth 2), it is the duration of the step scheduled one call earlier
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 import time
@@ -216,6 +217,9 @@ class _PacingMixin:
         self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
         self._control_seen: int | None = None  # the control file's mtime (ns) last read
         self._control_next_poll = 0.0
+        trace = os.environ.get("PREFILL_GATE_PACING_TRACE_FILE") or None
+        # line-buffered, so a killed engine leaves every step it ran in the file
+        self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None
         self._log_pacing()
 
     def _log_pacing(self) -> None:
@@ -299,7 +303,7 @@ class _PacingMixin:
         else:
             output = super().schedule(throttle_prefills and self.pacer.config.mode != "cadence")
 
-        self._record_step(output, {r.request_id for r in decodes}, plan)
+        self._record_step(output, {r.request_id for r in decodes}, plan, now)
         return output
 
     def _schedule_capped(self, budget: int, cap: int) -> SchedulerOutput:
@@ -316,7 +320,8 @@ class _PacingMixin:
             self.max_num_scheduled_tokens = saved_budget
             config.long_prefill_token_threshold = saved_threshold
 
-    def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan) -> None:
+    def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan,
+                     now: float) -> None:
         decode_rows = 0
         chunks: list[tuple[int, int]] = []
         for req_id, n in output.num_scheduled_tokens.items():
@@ -335,6 +340,23 @@ class _PacingMixin:
             deferred=plan.defer,
             unreachable=plan.unreachable,
         )
+        if self._trace is not None and output.total_num_scheduled_tokens:
+            self._write_trace(now, decode_rows, chunks, plan, x)
+
+    def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
+                     plan: StepPlan, x: tuple[float, ...]) -> None:
+        """One JSON line per step with work in it: what was scheduled and why. `t` is when
+        schedule() was called, so a step's duration is the gap to the next line's `t` (to
+        the one after it with async scheduling, whose queue is two steps deep)."""
+        adaptive = self.pacer.config.mode == "adaptive"
+        record = {
+            "step": self.current_step, "t": round(now, 6), "mode": self.pacer.config.mode,
+            "decode_rows": decode_rows, "chunks": chunks, "cap": plan.prefill_cap,
+            "deferred": plan.defer, "unreachable": plan.unreachable,
+            "aim": round(self.pacer.aim, 4) if adaptive else None,
+            "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
+        }
+        self._trace.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def _observe_step_time(self, now: float) -> None:
         last, self._pacing_last_call = self._pacing_last_call, now

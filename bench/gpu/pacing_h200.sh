@@ -38,6 +38,8 @@
 #            steps with prefill, a cold start counted in mixed steps).
 #   BATCH=9: the default-graph pairs at both sizes in one short run: budget 128 and 256
 #            against pacing cap 128 and 256 (batch 8 had no paced cap 128 on default graphs).
+#   BATCH=10: one paced server, cap 256 then adaptive 15 ms, with TRACE=1: every step the
+#            scheduler made (PREFILL_GATE_PACING_TRACE_FILE) in trace-<server>.jsonl.
 #   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
 #            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
 #            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
@@ -114,7 +116,9 @@ case $BATCH in
        "mnbt-256 8004 --max-num-batched-tokens 256"
        "paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS")
      SETTINGS_paced="cap:128 cap:256" ;;
-  *) echo "BATCH must be 1 to 9"; exit 2 ;;
+  10) SERVERS=("paced 8002 --max-num-batched-tokens 8192 --scheduler-cls $PACED_CLS")
+      SETTINGS_paced="cap:256 adaptive:15" ;;
+  *) echo "BATCH must be 1 to 10"; exit 2 ;;
 esac
 export PREFILL_GATE_PACING_LOG_INTERVAL_S=5
 trap cleanup EXIT
@@ -144,7 +148,8 @@ start_wave() {  # start the servers of one wave (an array's name), wait for thei
     set -- $s; name=$1; port=$2; shift 2
     say "starting $name on :$port ($*)"
     echo "PREFILL_GATE_PACING=off" > "$RES/control-$name.env"
-    PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-$name.env start_server "$name" "$port" "$@"
+    PREFILL_GATE_PACING_TRACE_FILE=$([ "${TRACE:-0}" = 1 ] && echo "$RES/trace-$name.jsonl") \
+      PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-$name.env start_server "$name" "$port" "$@"
     sleep "$STAGGER"
   done
   for s in "${wave[@]}"; do

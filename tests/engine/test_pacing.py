@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -258,6 +259,29 @@ def test_adaptive_holds_the_target(cls, depth, target_ms, bias, jitter, tiny_mod
     assert abs(p99 / target - 1) <= 0.10, (p99, target)
     assert median >= target * 0.80, (median, target)  # it uses the room it has
     assert engine.scheduler.pacer.model.samples >= 30
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    pacing_env("adaptive", target_itl_ms=15, cap_tokens=64, trace_file=trace)
+    engine = Engine(make(cls, depth, tiny_model), depth=depth, cost=h200_like_cost())
+    engine.add(40, 200, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    engine.add(5000, 5, "A")
+    engine.run(lambda: "A" in engine.finished and "B" in engine.finished)
+    engine.drain()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    worked = [s for s in engine.steps if s.output.total_num_scheduled_tokens]
+    assert len(lines) == len(worked)
+    for line, step in zip(lines, worked):
+        assert sum(n for _, n in line["chunks"]) == step.prefill_tokens
+        assert line["decode_rows"] == len(step.decode_tokens)
+        if step.decoding and step.prefill_tokens:
+            assert line["cap"] >= step.prefill_tokens and line["predicted_s"] > 0
+    assert [line["step"] for line in lines] == sorted({line["step"] for line in lines})
+    mixed = [line for line in lines if line["decode_rows"] and line["chunks"]]
+    assert mixed and mixed[-1]["cap"] != 64  # the fit took over from the starting cap
 
 
 @pytest.mark.parametrize("graphs, warned", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
