@@ -219,7 +219,7 @@ class _PacingMixin:
         self._control_next_poll = 0.0
         trace = os.environ.get("PREFILL_GATE_PACING_TRACE_FILE") or None
         # line-buffered, so a killed engine leaves every step it ran in the file
-        self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None
+        self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None  # noqa: SIM115 (open for the engine's life)
         self._log_pacing()
 
     def _log_pacing(self) -> None:
