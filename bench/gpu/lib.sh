@@ -40,10 +40,18 @@ wait_health() {  # port timeout_s [pid]: fails at once if the server process die
 cleanup() { for p in "${PIDS[@]}"; do kill -INT -- "-$p" 2>/dev/null; done; sleep 3;
             for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done; }
 
-bench() {  # label url
+bench() {  # label url; with GPU_CLOCKS=1 the GPU's SM clock, power and temperature every 100 ms
   say "bench $1 -> $2"
+  local sampler=""
+  if [ "${GPU_CLOCKS:-0}" = 1 ] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+      --format=csv,noheader -lms 100 > "$RES/gpu-clocks-$1.csv" 2>/dev/null &
+    sampler=$!
+  fi
   python3 -m proxy bench overlap --base-url "$2" --model m --runs "$RUNS" --label "$1" \
     --json "$RES/$1.json" --plot "$RES/$1.png" 2>&1 | grep -v '^\[overlap\]' | tee -a "$RES/bench.log"
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
+  return 0
 }
 
 gpu_info() {

@@ -40,6 +40,8 @@
 #            against pacing cap 128 and 256 (batch 8 had no paced cap 128 on default graphs).
 #   BATCH=10: one paced server, cap 256 then adaptive 15 ms, with TRACE=1: every step the
 #            scheduler made (PREFILL_GATE_PACING_TRACE_FILE) in trace-<server>.jsonl.
+# Any batch: TRACE=1 traces every paced server's steps; GPU_CLOCKS=1 samples the GPU's SM
+# clock, power and temperature through each bench (gpu-clocks-<config>.csv).
 #   BATCH=6: adaptive mode after batch 5's collapse (the aim scales only the prefill's
 #            share of the target; an out-of-reach target falls back to CAP_TOKENS), both
 #            graph modes, next to vLLM's budget in both: --max-num-batched-tokens 256
