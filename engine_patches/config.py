@@ -31,7 +31,7 @@ validated when the scheduler is built; an error names the variable and what it a
                                      environment, re-read when it changes: retune pacing
                                      without restarting vLLM (sweeps, operators). A bad
                                      file is logged and the running settings kept. (unset)
-    PREFILL_GATE_PACING_TRACE_FILE   append one JSON line per engine step to this file:
+    PREFILL_GATE_PACING_TRACE_FILE   append one JSON line per engine step (pacing on):
                                      decode rows, prefill chunks (start, tokens), cap,
                                      aim and the model's prediction; for diagnosis, not
                                      for production (unset)

@@ -345,9 +345,10 @@ class _PacingMixin:
 
     def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
                      plan: StepPlan, x: tuple[float, ...]) -> None:
-        """One JSON line per step with work in it: what was scheduled and why. `t` is when
-        schedule() was called, so a step's duration is the gap to the next line's `t` (to
-        the one after it with async scheduling, whose queue is two steps deep)."""
+        """One JSON line per step with work in it while pacing is on: what was scheduled
+        and why. `t` is when schedule() was called. With the synchronous loop a step lasts
+        until the next line's `t`; with async scheduling (two steps in flight) its duration
+        is the gap between the next two lines' `t`."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
             "step": self.current_step, "t": round(now, 6), "mode": self.pacer.config.mode,
