@@ -42,6 +42,11 @@ def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ..
     return (1.0, float(decode_rows), tokens / 1e3, attention / 1e6)
 
 
+def is_mixed(x: tuple[float, ...]) -> bool:
+    """Did the step with these features run prefill next to decodes?"""
+    return x[1] > 0 and x[2] > 0
+
+
 class StepCostModel:
     def __init__(self, window: int = 256, decode_window: int = 64) -> None:
         # [steps without prefill, steps with prefill], each (features, seconds)
@@ -102,7 +107,7 @@ class StepCostModel:
         return (-lin + math.sqrt(disc)) / (2 * quad)
 
     def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
-        if x[1] > 0 and x[2] > 0:
+        if is_mixed(x):
             self._mixed += int(sign)
         for i in range(N_FEATURES):
             xi = sign * x[i]

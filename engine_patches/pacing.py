@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from engine_patches import _vllm
 from engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
 from engine_patches.config import PacingConfig, PacingConfigError, read_control_file
-from engine_patches.cost_model import StepCostModel, features
+from engine_patches.cost_model import StepCostModel, features, is_mixed
 from engine_patches.telemetry import PacingTelemetry
 
 logger = _vllm.init_logger("vllm.prefill_gate.pacing")
@@ -374,7 +374,7 @@ class _PacingMixin:
         seconds = now - last
         if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds)
-            if measured.x[1] > 0 and measured.x[2] > 0:  # decodes next to prefill
+            if is_mixed(measured.x):
                 self.pacer.feedback(seconds)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim)
 
