@@ -176,6 +176,12 @@ def cmd_bench_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mixed(args: argparse.Namespace) -> int:
+    from .bench.mixed import main as mixed_main
+
+    return mixed_main(args)
+
+
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     from .bench.agent import main as agent_main
 
@@ -243,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json")
     p.add_argument("--plot")
     p.set_defaults(func=cmd_bench_overlap)
+
+    p = bench.add_parser("mixed", help="steady load: desynchronised interactive users + long prompts at random, "
+                                       "per-class latency and goodput")
+    from .bench.mixed import add_arguments as mixed_arguments
+
+    mixed_arguments(p)
+    p.set_defaults(func=cmd_bench_mixed)
 
     p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine")
     p.add_argument("--preset", default="h200-qwen3-8b")

@@ -24,8 +24,27 @@ def percentile(values, q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def git_state() -> dict:
+    """The commit the code was measured with, and whether the tree held changes beyond it.
+    Where the tree is a copy without ``.git`` (the lent GPU machine), the scripts pass
+    ``PREFILL_GATE_GIT_COMMIT`` and ``PREFILL_GATE_GIT_DIRTY`` (1/0) read where it came from."""
+    commit = os.environ.get("PREFILL_GATE_GIT_COMMIT")
+    if commit:
+        return {"git_commit": commit, "git_dirty": os.environ.get("PREFILL_GATE_GIT_DIRTY", "") == "1"}
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    if head.returncode != 0:
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": head.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
+
+
 def environment() -> dict:
-    """Machine and versions, for the record."""
+    """Machine, versions, command and git commit, for the record."""
     versions = {}
     for pkg in ("prefill-gate", "httpx", "fastapi", "uvicorn", "vllm", "torch"):
         try:
@@ -45,6 +64,7 @@ def environment() -> dict:
                     "gpu": gpu},
         "versions": versions,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:]),
+        **git_state(),
     }
 
 

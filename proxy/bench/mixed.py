@@ -1,0 +1,650 @@
+"""Steady load: interactive users who never pause together, plus long prompts at random.
+
+    prefill-gate bench mixed --base-url URL [--base-url URL2 ...] [--users 12] [--think 0.5]
+        [--interactive-prompt 300] [--interactive-tokens 200] [--long-prompt 20000]
+        [--long-every 4] [--duration 120] [--seed 0] [--seeds K] [--json F] [--plot F.png]
+
+Three classes share one engine and each cares about something else: live streams about
+every gap, new interactive requests about their first token, long prompts (agents' tool
+results) about finishing in bounded time. A mode that serves one by starving another
+shows here, where the one-pair overlap bench cannot show it.
+
+- **Users** are closed loops: each starts at a random offset, sends a short prompt,
+  streams its answer (a length drawn per request, 0.5x-1.5x ``interactive_tokens``),
+  thinks for an exponential time, and sends again. Their send times therefore follow
+  the endpoint; what is identical for every endpoint is every random draw (offsets,
+  lengths, think times) and the **Poisson schedule of long-prompt arrivals**, which
+  are open loop. Users never move in lockstep: synchronised users pause together and
+  hand a holding proxy the idle moments that real traffic never has.
+- **Prompts** are fresh text for every request and differ between endpoints (two rows
+  may share one vLLM server, and shared text would hit its prefix cache). All of them
+  are generated before the run, sized with the target's ``/tokenize`` once per size, so
+  the bench adds no load of its own while it measures.
+- **Same-run baselines**, per endpoint: the users alone (no long prompts), for the solo
+  gaps and TTFTs, and the long prompt alone, for "x alone".
+
+Every time is taken by the client on arrival of each content chunk (the same definition
+of a content chunk as the overlap bench). With ``time_scale`` X (a simulator slowed by
+``--time-scale X``), the schedule's times are stretched by X and every reported time is
+divided by X, so rows read in the engine's own time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from .overlap import PromptMaker, Trace, stream_chat
+from .report import percentile
+
+# A gap longer than this is a visible stall to a reader (the issue's "gaps > 50 ms").
+STALL_MS = 50.0
+# Gap histogram edges: 0.1 ms .. 100 s, 20 bins per decade (the JSON keeps the shape of
+# every CDF without every gap).
+HIST_EDGES_MS = [10 ** (e / 20) for e in range(-20, 101)]
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    users: int = 12
+    think: float = 0.5  # mean think time, seconds (exponential)
+    interactive_prompt: int = 300  # tokens, chat template included
+    interactive_tokens: int = 200  # mean streamed tokens; each request draws 0.5x-1.5x
+    long_prompt: int = 20_000
+    long_tokens: int = 32  # streamed tokens of a long prompt's answer
+    long_every: float = 4.0  # mean seconds between long prompts (Poisson)
+    duration: float = 120.0  # seconds of steady load measured
+    baseline_duration: float = 30.0  # seconds of the users alone
+    long_alone_runs: int = 3
+    start_spread: float = 2.0  # users start at uniform offsets in [0, start_spread)
+
+    def validate(self) -> None:
+        for name in ("users", "interactive_prompt", "interactive_tokens", "long_prompt", "long_tokens",
+                     "long_alone_runs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        for name in ("think", "long_every", "duration", "baseline_duration"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive")
+        if self.start_spread < 0:
+            raise ValueError("start-spread must not be negative")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Per-request objectives. ``ttft_ms``, ``tpot_ms`` and ``e2el_ms`` make goodput in
+    ``vllm bench serve --goodput``'s sense (a request counts when it meets every one set);
+    ``max_gap_ms`` with ``ttft_ms`` makes the strict share (every gap within it);
+    ``long_x`` bounds a long prompt's TTFT as a multiple of its time alone."""
+
+    ttft_ms: float | None = 150.0
+    tpot_ms: float | None = 15.0
+    e2el_ms: float | None = None
+    max_gap_ms: float = 50.0
+    long_x: float = 3.0
+
+
+# ------------------------------------------------------------------- the schedule
+@dataclass(frozen=True)
+class UserPlan:
+    start: float  # seconds after the phase starts
+    requests: tuple[tuple[int, float], ...]  # (tokens to stream, think time after it)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every random draw of one phase: the same for every endpoint of one seed."""
+
+    users: tuple[UserPlan, ...]
+    long_arrivals: tuple[float, ...]  # seconds after the phase starts (Poisson)
+
+    def requests_per_user(self) -> int:
+        return len(self.users[0].requests) if self.users else 0
+
+
+def make_schedule(shape: MixedShape, seed: int, duration: float, with_long: bool = True) -> Schedule:
+    """Draws for one phase of ``duration`` seconds. A user can never send more requests
+    than it has think times, so a plan of 2 x duration / think + 16 requests per user
+    outlasts any phase but one where requests take no time at all."""
+    rng = random.Random(seed)
+    n = int(2 * duration / shape.think) + 16
+    lo, hi = max(1, round(0.5 * shape.interactive_tokens)), max(1, round(1.5 * shape.interactive_tokens))
+    users = []
+    for _ in range(shape.users):
+        start = rng.uniform(0, shape.start_spread)
+        reqs = tuple((rng.randint(lo, hi), rng.expovariate(1 / shape.think)) for _ in range(n))
+        users.append(UserPlan(start, reqs))
+    arrivals = []
+    if with_long:
+        long_rng = random.Random(f"{seed}-long")  # its own stream: more users do not move it
+        t = long_rng.expovariate(1 / shape.long_every)
+        while t < duration:
+            arrivals.append(t)
+            t += long_rng.expovariate(1 / shape.long_every)
+    return Schedule(tuple(users), tuple(arrivals))
+
+
+def stretched(s: Schedule, factor: float) -> Schedule:
+    """The same draws with every time multiplied (a simulator run ``factor`` times slower)."""
+    if factor == 1:
+        return s
+    users = tuple(UserPlan(u.start * factor, tuple((n, th * factor) for n, th in u.requests)) for u in s.users)
+    return Schedule(users, tuple(t * factor for t in s.long_arrivals))
+
+
+# ------------------------------------------------------------------- the records
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds since the phase started."""
+
+    cls: str  # "interactive" | "long"
+    user: int  # -1 for long prompts
+    planned_tokens: int
+    trace: Trace = field(default_factory=Trace)
+
+    @property
+    def ok(self) -> bool:
+        return self.trace.error is None and bool(self.trace.tokens) and self.trace.end > 0
+
+    @property
+    def ttft(self) -> float:
+        return self.trace.ttft
+
+    @property
+    def e2el(self) -> float:
+        return self.trace.end - self.trace.sent
+
+    @property
+    def tpot(self) -> float:
+        """vLLM's TPOT: (latency - TTFT) / (output tokens - 1), 0 for a one-token answer."""
+        n = len(self.trace.tokens)
+        return (self.e2el - self.ttft) / (n - 1) if n > 1 else 0.0
+
+    def gaps(self) -> list[float]:
+        ts = self.trace.tokens
+        return [b - a for a, b in zip(ts, ts[1:])]
+
+
+def goodput(records: list[Record], slo: SLO, seconds: float, scale: float = 1.0) -> dict:
+    """Interactive requests meeting the SLOs: vLLM's goodput (per second, and as a share of
+    the requests sent) and the strict share (TTFT within ``slo.ttft_ms`` and every gap within
+    ``slo.max_gap_ms``). Failed requests count as sent and never as good. ``scale`` divides
+    measured times (a slowed simulator)."""
+    inter = [r for r in records if r.cls == "interactive"]
+    good = strict = 0
+    for r in inter:
+        if not r.ok:
+            continue
+        ttft_ms, tpot_ms, e2el_ms = (r.ttft / scale * 1e3, r.tpot / scale * 1e3, r.e2el / scale * 1e3)
+        meets = ((slo.ttft_ms is None or ttft_ms <= slo.ttft_ms)
+                 and (slo.tpot_ms is None or tpot_ms <= slo.tpot_ms)
+                 and (slo.e2el_ms is None or e2el_ms <= slo.e2el_ms))
+        good += meets
+        max_gap_ms = max(r.gaps(), default=0.0) / scale * 1e3
+        strict += (slo.ttft_ms is None or ttft_ms <= slo.ttft_ms) and max_gap_ms <= slo.max_gap_ms
+    n = len(inter)
+    return {
+        "goodput_rps": good / (seconds / scale) if seconds > 0 else float("nan"),
+        "goodput_share": good / n if n else float("nan"),
+        "strict_share": strict / n if n else float("nan"),
+    }
+
+
+def no_stream_share(records: list[Record], start: float, end: float) -> float:
+    """Share of [start, end) with no interactive answer streaming (first token to last):
+    the moments a proxy that holds long prompts until streams end can use."""
+    spans = sorted((r.trace.tokens[0], r.trace.tokens[-1]) for r in records
+                   if r.cls == "interactive" and r.trace.tokens)
+    covered, cursor = 0.0, start
+    for a, b in spans:
+        a, b = max(a, cursor), min(b, end)
+        if b > a:
+            covered += b - a
+            cursor = b
+    return 1 - covered / (end - start) if end > start else float("nan")
+
+
+def _hist(values_ms: list[float]) -> list[int]:
+    counts = [0] * (len(HIST_EDGES_MS) + 1)
+    for v in values_ms:
+        lo, hi = 0, len(HIST_EDGES_MS)
+        while lo < hi:  # first edge above v
+            mid = (lo + hi) // 2
+            if HIST_EDGES_MS[mid] <= v:
+                lo = mid + 1
+            else:
+                hi = mid
+        counts[lo] += 1
+    return counts
+
+
+def summarize(records: list[Record], seconds: float, slo: SLO, long_alone_s: float | None,
+              scale: float = 1.0) -> dict:
+    """The per-class figures of one phase (every time in ms or s of engine time)."""
+    inter = [r for r in records if r.cls == "interactive"]
+    longs = [r for r in records if r.cls == "long"]
+    gaps_ms = [g / scale * 1e3 for r in inter if r.ok for g in r.gaps()]
+    ttft_ms = [r.ttft / scale * 1e3 for r in inter if r.ok]
+    tpot_ms = [r.tpot / scale * 1e3 for r in inter if r.ok and len(r.trace.tokens) > 1]
+    long_ttft = [r.ttft / scale for r in longs if r.ok]
+    out = {
+        "interactive_sent": len(inter),
+        "interactive_completed": sum(r.ok for r in inter),
+        "interactive_failed": sum(not r.ok for r in inter),
+        "interactive_rate_rps": len(inter) / (seconds / scale),
+        "interactive_gaps": len(gaps_ms),
+        "itl_ms_p50": percentile(gaps_ms, 50),
+        "itl_ms_p99": percentile(gaps_ms, 99),
+        "itl_ms_p999": percentile(gaps_ms, 99.9),
+        "itl_ms_max": max(gaps_ms, default=float("nan")),
+        "gaps_over_50ms_share": (sum(g > STALL_MS for g in gaps_ms) / len(gaps_ms)) if gaps_ms else float("nan"),
+        "ttft_ms_p50": percentile(ttft_ms, 50),
+        "ttft_ms_p99": percentile(ttft_ms, 99),
+        "ttft_ms_max": max(ttft_ms, default=float("nan")),
+        "tpot_ms_p50": percentile(tpot_ms, 50),
+        "tpot_ms_p99": percentile(tpot_ms, 99),
+        "no_stream_share": no_stream_share(records, 0.0, seconds),
+        "gap_hist": _hist(gaps_ms),
+        **goodput(records, slo, seconds, scale),
+    }
+    if longs:
+        out.update({
+            "long_sent": len(longs),
+            "long_completed": sum(r.ok for r in longs),
+            "long_failed": sum(not r.ok for r in longs),
+            "long_ttft_s_p50": percentile(long_ttft, 50),
+            "long_ttft_s_p90": percentile(long_ttft, 90),
+            "long_ttft_s_max": max(long_ttft, default=float("nan")),
+            "long_total_s_p50": percentile([r.e2el / scale for r in longs if r.ok], 50),
+        })
+        if long_alone_s:
+            out.update({
+                "long_x_p50": out["long_ttft_s_p50"] / long_alone_s,
+                "long_x_p90": out["long_ttft_s_p90"] / long_alone_s,
+                "long_x_max": out["long_ttft_s_max"] / long_alone_s,
+                "long_within_slo_share": (sum(t <= slo.long_x * long_alone_s for t in long_ttft) / len(longs)),
+            })
+    errors = sorted({r.trace.error for r in records if r.trace.error})
+    if errors:
+        out["errors"] = errors[:10]
+    return out
+
+
+# -------------------------------------------------------------------- the run
+class Prompts:
+    """Fresh prompt texts, sized once per size with the target's /tokenize, then made with
+    the learned characters per token (no /tokenize calls while anything is measured)."""
+
+    def __init__(self, maker: PromptMaker):
+        self.maker = maker
+        self.sized: dict[int, dict] = {}  # tokens -> {"chars_per_token", "counted"}
+
+    async def calibrate(self, tokens: int) -> None:
+        _, count = await self.maker.make(tokens)
+        self.sized[tokens] = {"chars_per_token": self.maker.chars_per_token, "counted": count}
+
+    def make(self, tokens: int) -> str:
+        cpt = self.sized[tokens]["chars_per_token"] if self.maker.has_tokenize else 4.0
+        overhead = self.maker.overhead or 0
+        return self.maker._text(max(1, int(max(1, tokens - overhead) * cpt)))
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+class PhaseRun:
+    """One phase against one endpoint: users in closed loops, long prompts on schedule."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: MixedShape):
+        self.client, self.url, self.model, self.shape = client, url, model, shape
+
+    async def run(self, schedule: Schedule, user_prompts: list[list[str]], long_prompts: list[str],
+                  seconds: float, drain: float) -> list[Record]:
+        t0 = time.monotonic()
+        stop_at = t0 + seconds
+        records: list[Record] = []
+        tasks = [asyncio.create_task(self._user(i, plan, user_prompts[i], t0, stop_at, records))
+                 for i, plan in enumerate(schedule.users)]
+        tasks += [asyncio.create_task(self._long(at, prompt, t0, records))
+                  for at, prompt in zip(schedule.long_arrivals, long_prompts)]
+        done, pending = await asyncio.wait(tasks, timeout=seconds + drain)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for r in records:  # times relative to the phase's start
+            tr = r.trace
+            if tr.error is None and (not tr.end or not tr.tokens):
+                tr.error = "unfinished when the drain bound passed" if not tr.end else "no content"
+            tr.sent -= t0
+            tr.end = tr.end - t0 if tr.end else 0.0
+            tr.tokens = [x - t0 for x in tr.tokens]
+        return records
+
+    async def _user(self, i: int, plan: UserPlan, prompts: list[str], t0: float, stop_at: float,
+                    records: list[Record]) -> None:
+        await _sleep_until(t0 + plan.start)
+        for (tokens, think), prompt in zip(plan.requests, prompts):
+            if time.monotonic() >= stop_at:
+                return
+            rec = Record("interactive", i, tokens)
+            records.append(rec)
+            await stream_chat(self.client, self.url, self.model, prompt, tokens, rec.trace)
+            await asyncio.sleep(think)
+
+    async def _long(self, at: float, prompt: str, t0: float, records: list[Record]) -> None:
+        await _sleep_until(t0 + at)
+        rec = Record("long", -1, self.shape.long_tokens)
+        records.append(rec)
+        await stream_chat(self.client, self.url, self.model, prompt, self.shape.long_tokens, rec.trace)
+
+
+def _prompt_pools(prompts: Prompts, shape: MixedShape, schedule: Schedule) -> tuple[list[list[str]], list[str]]:
+    users = [[prompts.make(shape.interactive_prompt) for _ in u.requests] for u in schedule.users]
+    longs = [prompts.make(shape.long_prompt) for _ in schedule.long_arrivals]
+    return users, longs
+
+
+def normalize_base_url(url: str) -> str:
+    """Accept what OpenAI clients are configured with (``.../v1``): the bench adds the paths."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, seed: int,
+                           model: str | None = None, time_scale: float = 1.0, progress: bool = True,
+                           timeout: float = 600.0) -> dict:
+    """Warm-up, the long prompt alone, the users alone, then steady load, on one endpoint."""
+    url = normalize_base_url(url)
+    scale = time_scale
+
+    def say(what: str) -> None:
+        if progress:
+            print(f"[mixed] {label} (seed {seed}): {what}", file=sys.stderr, flush=True)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+        if model is None:
+            r = await client.get(url + "/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        server_version = None
+        try:
+            r = await client.get(url + "/version")
+            server_version = r.json().get("version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        # Fresh text for every endpoint and call; the schedule depends on the seed alone.
+        prompts = Prompts(PromptMaker(client, url, model, seed=random.SystemRandom().randrange(1 << 30)))
+        say("sizing prompts with /tokenize")
+        await prompts.calibrate(shape.interactive_prompt)
+        await prompts.calibrate(shape.long_prompt)
+        base = stretched(make_schedule(shape, seed, shape.baseline_duration, with_long=False), scale)
+        mixed = stretched(make_schedule(shape, seed + 1_000_003, shape.duration), scale)
+        base_pools = _prompt_pools(prompts, shape, base)
+        mixed_pools = _prompt_pools(prompts, shape, mixed)
+        alone_prompts = [prompts.make(shape.long_prompt) for _ in range(shape.long_alone_runs)]
+        warm = [prompts.make(shape.interactive_prompt) for _ in range(shape.users)]
+        warm_long = prompts.make(shape.long_prompt)
+
+        say("warm-up")
+        phase = PhaseRun(client, url, model, shape)
+        warm_traces = [Trace() for _ in range(len(warm) + 1)]
+        await stream_chat(client, url, model, warm_long, shape.long_tokens, warm_traces[-1])
+        await asyncio.gather(*(stream_chat(client, url, model, p, shape.interactive_tokens, t)
+                               for p, t in zip(warm, warm_traces)))
+        failed = [t.error for t in warm_traces if t.error]
+        if failed:
+            raise RuntimeError(f"{label}: warm-up failed: {failed[0]}")
+
+        say(f"the long prompt alone x{shape.long_alone_runs}")
+        alone = []
+        for p in alone_prompts:
+            t = await stream_chat(client, url, model, p, shape.long_tokens, Trace())
+            if t.error:
+                raise RuntimeError(f"{label}: the long prompt alone failed: {t.error}")
+            alone.append(t.ttft / scale)
+        long_alone_s = percentile(alone, 50)
+
+        say(f"the users alone for {shape.baseline_duration:g} s")
+        drain = max(60.0, shape.duration) * scale
+        base_records = await phase.run(base, *base_pools, shape.baseline_duration * scale, drain)
+        say(f"steady load for {shape.duration:g} s ({len(mixed.long_arrivals)} long prompts)")
+        mixed_records = await phase.run(mixed, *mixed_pools, shape.duration * scale, drain)
+
+    result = {
+        "label": label, "target": url, "model": model, "server_version": server_version, "seed": seed,
+        "prompt_sizing": {str(k): v for k, v in prompts.sized.items()},
+        "long_alone_ttft_s": alone, "long_alone_ttft_s_p50": long_alone_s,
+        "baseline": summarize(base_records, shape.baseline_duration * scale, slo, None, scale),
+        "mixed": summarize(mixed_records, shape.duration * scale, slo, long_alone_s, scale),
+        "long_arrivals_s": list(make_schedule(shape, seed + 1_000_003, shape.duration).long_arrivals),
+    }
+    b, m = result["baseline"], result["mixed"]
+    result["mixed"]["itl_p99_x_baseline"] = m["itl_ms_p99"] / b["itl_ms_p99"] if b["itl_ms_p99"] else float("nan")
+    result["_records"] = {"baseline": base_records, "mixed": mixed_records}  # for the plot; not written
+    return result
+
+
+async def run_mixed(urls: list[str], labels: list[str], shape: MixedShape = MixedShape(), slo: SLO = SLO(),
+                    seeds: list[int] = (0,), model: str | None = None, time_scale: float = 1.0,
+                    progress: bool = True) -> dict:
+    shape.validate()
+    if time_scale <= 0:
+        raise ValueError("time-scale must be positive")
+    endpoints = []
+    for url, label in zip(urls, labels):
+        runs = [await measure_endpoint(url, label, shape, slo, s, model, time_scale, progress) for s in seeds]
+        endpoints.append({"label": label, "target": normalize_base_url(url), "runs": runs,
+                          "range": spread(runs)})
+    return {"bench": "mixed", "shape": asdict(shape), "slo": asdict(slo), "seeds": list(seeds),
+            "time_scale": time_scale, "endpoints": endpoints}
+
+
+RANGE_KEYS = ("itl_ms_p50", "itl_ms_p99", "itl_ms_p999", "itl_ms_max", "gaps_over_50ms_share", "ttft_ms_p50",
+              "ttft_ms_p99", "long_ttft_s_p50", "long_ttft_s_p90", "long_ttft_s_max", "long_x_p50", "long_x_p90",
+              "goodput_rps", "goodput_share", "strict_share", "interactive_rate_rps")
+
+
+def spread(runs: list[dict]) -> dict:
+    """[min, max] of each headline figure over the runs (seeds) of one endpoint."""
+    out = {}
+    for k in RANGE_KEYS:
+        vals = [r["mixed"].get(k) for r in runs if isinstance(r["mixed"].get(k), (int, float))]
+        vals = [v for v in vals if not math.isnan(v)]
+        if vals:
+            out[k] = [min(vals), max(vals)]
+    return out
+
+
+# ------------------------------------------------------------------ reporting
+MIXED_COLUMNS = [
+    ("label", "endpoint"),
+    ("seed", "seed"),
+    ("itl_ms_p50", "ITL p50 ms"),
+    ("itl_ms_p99", "ITL p99 ms"),
+    ("itl_ms_max", "ITL max ms"),
+    ("gaps_over_50ms_pct", "gaps>50ms %"),
+    ("ttft_ms_p50", "TTFT p50 ms"),
+    ("ttft_ms_p99", "TTFT p99 ms"),
+    ("long_ttft_s_p50", "long TTFT p50 s"),
+    ("long_ttft_s_p90", "p90 s"),
+    ("long_ttft_s_max", "max s"),
+    ("long_x_p50", "long x alone p50"),
+    ("goodput_rps", "goodput rps"),
+    ("strict_pct", "strict %"),
+    ("done_failed", "done/failed"),
+]
+BASELINE_COLUMNS = [
+    ("label", "endpoint"),
+    ("seed", "seed"),
+    ("itl_ms_p50", "alone ITL p50 ms"),
+    ("itl_ms_p99", "ITL p99 ms"),
+    ("itl_ms_max", "ITL max ms"),
+    ("ttft_ms_p50", "TTFT p50 ms"),
+    ("ttft_ms_p99", "TTFT p99 ms"),
+    ("long_alone", "long alone TTFT s"),
+    ("itl_p99_x", "steady ITL p99 / alone"),
+    ("no_stream_pct", "no stream live %"),
+]
+
+
+def rows(result: dict) -> tuple[list[dict], list[dict]]:
+    mixed_rows, base_rows = [], []
+    for ep in result["endpoints"]:
+        for run in ep["runs"]:
+            m, b = run["mixed"], run["baseline"]
+            mixed_rows.append({**m, "label": ep["label"], "seed": run["seed"],
+                               "gaps_over_50ms_pct": 100 * m["gaps_over_50ms_share"],
+                               "strict_pct": 100 * m["strict_share"],
+                               "done_failed": f"{m['interactive_completed'] + m.get('long_completed', 0)}/"
+                                              f"{m['interactive_failed'] + m.get('long_failed', 0)}"})
+            base_rows.append({**b, "label": ep["label"], "seed": run["seed"],
+                              "long_alone": run["long_alone_ttft_s_p50"],
+                              "itl_p99_x": m["itl_p99_x_baseline"], "no_stream_pct": 100 * m["no_stream_share"]})
+    return mixed_rows, base_rows
+
+
+def strip_records(result: dict) -> dict:
+    """The result without the in-memory traces (what goes into the JSON)."""
+    out = dict(result)
+    out["endpoints"] = [{**ep, "runs": [{k: v for k, v in r.items() if k != "_records"} for r in ep["runs"]]}
+                        for ep in result["endpoints"]]
+    return out
+
+
+def plot_mixed(result: dict, path: str, time_scale: float = 1.0) -> None:
+    """Per endpoint: interactive gaps (share longer than x), interactive TTFTs and long
+    TTFTs (CDFs), on shared axes, from the first seed's records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_gap, ax_ttft, ax_long) = plt.subplots(1, 3, figsize=(15, 4.4))
+    for ep in result["endpoints"]:
+        recs = ep["runs"][0]["_records"]["mixed"]
+        inter = [r for r in recs if r.cls == "interactive" and r.ok]
+        gaps = sorted(g / time_scale * 1e3 for r in inter for g in r.gaps())
+        ttfts = sorted(r.ttft / time_scale * 1e3 for r in inter)
+        longs = sorted(r.ttft / time_scale for r in recs if r.cls == "long" and r.ok)
+        if gaps:
+            n = len(gaps)
+            ax_gap.step(gaps, [1 - (i + 1) / n + 1 / (2 * n) for i in range(n)], where="post", label=ep["label"])
+        for ax, xs in ((ax_ttft, ttfts), (ax_long, longs)):
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=ep["label"])
+    ax_gap.set(xscale="log", yscale="log", xlabel="gap between two tokens of a streaming answer (ms)",
+               ylabel="share of gaps longer than x", title="Live streams: how often they stall")
+    ax_ttft.set(xscale="log", xlabel="time to first token (ms)", ylabel="share of requests",
+                title="New interactive requests: first token")
+    ax_long.set(xscale="log", xlabel="time to first token (s)", ylabel="share of long prompts",
+                title="Long prompts: time to first token")
+    for ax in (ax_gap, ax_ttft, ax_long):
+        ax.grid(True, which="both", alpha=0.3)
+    ax_gap.axvline(STALL_MS, color="grey", lw=0.8, ls=":")
+    ax_long.legend(fontsize=8, loc="lower right")
+    s = result["shape"]
+    fig.suptitle(f"{s['users']} interactive users (think ~{s['think']:g} s, {s['interactive_prompt']}-token "
+                 f"prompts) + a {s['long_prompt']:,}-token prompt every ~{s['long_every']:g} s, "
+                 f"{s['duration']:g} s per endpoint", fontsize=10)
+    fig.tight_layout()
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from .report import environment, table, write_json
+
+    labels = args.label or []
+    if labels and len(labels) != len(args.base_url):
+        print("prefill-gate bench mixed: give one --label per --base-url (or none)", file=sys.stderr)
+        return 2
+    labels = labels or [normalize_base_url(u) for u in args.base_url]
+    shape = MixedShape(users=args.users, think=args.think, interactive_prompt=args.interactive_prompt,
+                       interactive_tokens=args.interactive_tokens, long_prompt=args.long_prompt,
+                       long_tokens=args.long_tokens, long_every=args.long_every, duration=args.duration,
+                       baseline_duration=args.baseline_duration, long_alone_runs=args.long_alone_runs)
+    slo = SLO(ttft_ms=args.slo_ttft_ms or None, tpot_ms=args.slo_tpot_ms or None, e2el_ms=args.slo_e2el_ms or None,
+              max_gap_ms=args.slo_max_gap_ms, long_x=args.slo_long_x)
+    seeds = [args.seed + k for k in range(args.seeds)]
+    try:
+        shape.validate()
+        if args.seeds < 1:
+            raise ValueError("seeds must be at least 1")
+        result = asyncio.run(run_mixed(args.base_url, labels, shape, slo, seeds, args.model, args.time_scale))
+    except ValueError as exc:
+        print(f"prefill-gate bench mixed: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, httpx.HTTPError, OSError) as exc:
+        print(f"prefill-gate bench mixed: {exc}", file=sys.stderr)
+        return 1
+    mixed_rows, base_rows = rows(result)
+    print("steady load (interactive users + long prompts):")
+    print(table(mixed_rows, MIXED_COLUMNS))
+    print("\nsame-run baselines (the users alone; the long prompt alone):")
+    print(table(base_rows, BASELINE_COLUMNS))
+    record = {**strip_records(result), **environment()}
+    if args.json:
+        write_json(args.json, record)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot_mixed(result, args.plot, args.time_scale)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def add_arguments(p) -> None:
+    d, s = MixedShape(), SLO()
+    p.add_argument("--base-url", action="append", required=True, metavar="URL",
+                   help="an OpenAI-compatible endpoint (repeat: each is measured in turn)")
+    p.add_argument("--label", action="append", metavar="NAME", help="a name per --base-url, in order")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--users", type=int, default=d.users, help="interactive users (default: %(default)s)")
+    p.add_argument("--think", type=float, default=d.think, metavar="S",
+                   help="mean think time between a user's requests, exponential (default: %(default)s)")
+    p.add_argument("--interactive-prompt", type=int, default=d.interactive_prompt, metavar="T",
+                   help="interactive prompt tokens (default: %(default)s)")
+    p.add_argument("--interactive-tokens", type=int, default=d.interactive_tokens, metavar="T",
+                   help="mean streamed tokens per interactive answer, drawn 0.5x-1.5x (default: %(default)s)")
+    p.add_argument("--long-prompt", type=int, default=d.long_prompt, metavar="T",
+                   help="long prompt tokens (default: %(default)s)")
+    p.add_argument("--long-tokens", type=int, default=d.long_tokens, metavar="T",
+                   help="streamed tokens of a long prompt's answer (default: %(default)s)")
+    p.add_argument("--long-every", type=float, default=d.long_every, metavar="S",
+                   help="mean seconds between long prompts, Poisson (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=d.duration, metavar="S",
+                   help="seconds of steady load per endpoint (default: %(default)s)")
+    p.add_argument("--baseline-duration", type=float, default=d.baseline_duration, metavar="S",
+                   help="seconds of the users alone per endpoint (default: %(default)s)")
+    p.add_argument("--long-alone-runs", type=int, default=d.long_alone_runs, metavar="N",
+                   help="runs of the long prompt alone per endpoint (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default: %(default)s)")
+    p.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="repeat with seeds SEED..SEED+K-1 and report the range (default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="the endpoint runs X times slower than real (a simulator with --time-scale X): "
+                        "stretch the schedule by X and report times divided by X (default: %(default)s)")
+    p.add_argument("--slo-ttft-ms", type=float, default=s.ttft_ms,
+                   help="goodput and strict share: interactive TTFT bound, 0 none (default: %(default)s)")
+    p.add_argument("--slo-tpot-ms", type=float, default=s.tpot_ms,
+                   help="goodput: mean time per output token bound, 0 none (default: %(default)s)")
+    p.add_argument("--slo-e2el-ms", type=float, default=0.0,
+                   help="goodput: end-to-end latency bound, 0 none (default: %(default)s)")
+    p.add_argument("--slo-max-gap-ms", type=float, default=s.max_gap_ms,
+                   help="strict share: every gap within this (default: %(default)s)")
+    p.add_argument("--slo-long-x", type=float, default=s.long_x,
+                   help="long prompts: TTFT within this multiple of alone (default: %(default)s)")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--plot", help="write CDFs per endpoint here (PNG)")
