@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -49,10 +50,13 @@ __all__ = [
     "Request",
     "Scheduler",
     "SchedulerOutput",
+    "SchedulingPolicy",
+    "cached_prefix_tokens",
     "TritonAttentionBackend",
     "TritonAttentionImpl",
     "TritonAttentionMetadataBuilder",
     "decode_tokens",
+    "fcfs_queue",
     "init_logger",
     "is_decoding",
     "register_backend",
@@ -92,3 +96,21 @@ def decode_tokens(scheduler: Scheduler, request: Request, step: int) -> int:
         - scheduler.num_sampled_tokens_per_step,
     )
     return max(n, 0)
+
+
+def cached_prefix_tokens(scheduler: Scheduler, request: Request) -> int:
+    """Prompt tokens of a waiting request that vLLM's prefix cache holds now: the lookup
+    the waiting loop will make (`KVCacheManager.get_computed_blocks`), without its side
+    effects (hit statistics, cache events). 0 when caching is off or the request skips it."""
+    manager = scheduler.kv_cache_manager
+    if not manager.enable_caching or request.skip_reading_prefix_cache:
+        return 0
+    _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+    return hit
+
+
+def fcfs_queue(requests) -> FCFSRequestQueue:
+    """A first-come-first-served queue holding `requests` in this order."""
+    queue = FCFSRequestQueue()
+    queue.extend(requests)
+    return queue

@@ -23,6 +23,12 @@ validated when the scheduler is built; an error names the variable and what it a
     PREFILL_GATE_PACING_STEP_QUANTUM lower decode tokens + cap to a multiple of this
                                      when it is at least this large (GEMM and attention
                                      tiles: 128 rows on Hopper); 0: off (0)
+    PREFILL_GATE_PACING_SHORT_TOKENS  while a step's prefill is bounded, prompts with at most
+                                     this many prompt tokens left to compute (cached prefix
+                                     excluded) are prefilled before a longer prompt's next
+                                     chunk; 0: arrival order, as vLLM (1024)
+    PREFILL_GATE_PACING_LONG_MIN_SHARE the least share of a bounded step's prefill tokens a
+                                     longer prompt keeps while short ones go first (0.5)
     PREFILL_GATE_PACING_LOG_INTERVAL_S seconds between decision summaries in the log;
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
@@ -64,6 +70,8 @@ class PacingConfig:
     graph_clamp: bool = True
     graph_align: bool = True
     step_quantum: int = 0
+    short_tokens: int = 1024
+    long_min_share: float = 0.5
     log_interval_s: float = 30.0
     metrics_port: int = 0
 
@@ -98,6 +106,8 @@ class PacingConfig:
             graph_clamp=_number(env, "GRAPH_CLAMP", 1, low=0, high=1) == 1,
             graph_align=_number(env, "GRAPH_ALIGN", 1, low=0, high=1) == 1,
             step_quantum=_number(env, "STEP_QUANTUM", 0, low=0, high=1 << 16),
+            short_tokens=_number(env, "SHORT_TOKENS", 1024, low=0, high=1 << 20),
+            long_min_share=_number(env, "LONG_MIN_SHARE", 0.5, low=0.0, high=1.0, cast=float),
             log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
             metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )
@@ -105,6 +115,17 @@ class PacingConfig:
     def describe(self) -> str:
         if self.mode == "off":
             return "pacing off: vLLM's own scheduling"
+        return self._describe_mode() + self._describe_short_first()
+
+    def _describe_short_first(self) -> str:
+        if self.mode == "cadence":
+            return ""
+        if not self.short_tokens:
+            return "; prompts in arrival order"
+        return (f"; prompts of <= {self.short_tokens} uncached tokens first, longer ones keep "
+                f">= {self.long_min_share:.0%} of a step's prefill")
+
+    def _describe_mode(self) -> str:
         if self.mode == "cap":
             return f"pacing cap: at most {self.cap_tokens} prefill tokens per step while a request decodes"
         if self.mode == "cadence":

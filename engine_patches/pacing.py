@@ -48,6 +48,7 @@ from engine_patches import _vllm
 from engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
 from engine_patches.config import PacingConfig, PacingConfigError, read_control_file
 from engine_patches.cost_model import StepCostModel, features, is_mixed
+from engine_patches.short_first import Arrangement, ShortFirst
 from engine_patches.telemetry import PacingTelemetry
 
 logger = _vllm.init_logger("vllm.prefill_gate.pacing")
@@ -203,7 +204,7 @@ class _PacingMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         config = PacingConfig.from_env()
-        align = self.need_mamba_block_aligned_split
+        align = self._model_aligns = self.need_mamba_block_aligned_split
         self._graph_sizes = _mixed_step_graph_sizes(self.vllm_config)
         self.pacer = Pacer(
             config,
@@ -214,6 +215,8 @@ class _PacingMixin:
         self.pacing_telemetry = PacingTelemetry(config, self.pacer.model)
         self._pacing_steps: deque[_StepRecord] = deque(maxlen=4)
         self._pacing_last_call: float | None = None
+        self.short_first = ShortFirst(self)
+        self._arrangement: Arrangement | None = None  # this step's, during super().schedule()
         self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
         self._control_seen: int | None = None  # the control file's mtime (ns) last read
         self._control_next_poll = 0.0
@@ -277,36 +280,51 @@ class _PacingMixin:
         self._observe_step_time(now)
 
         step = self.current_step + 1  # super().schedule() increments it first
+        config = self.pacer.config
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
             (decodes if _vllm.is_decoding(request) else prefills).append(request)
-        ordered = decodes + prefills
+        decode_tokens = {r.request_id: _vllm.decode_tokens(self, r, step) for r in decodes}
+        # A request whose last token is already in flight (async scheduling) gets no token
+        # this step: it does not make the step a decode step.
+        decoding = any(decode_tokens.values())
+        short_run: list[Request] = []
+        short_first = bool(config.short_tokens and decoding and config.mode in ("cap", "adaptive"))
+        if short_first:  # long prefills take their clamped share first, short ones the rest
+            short_run, prefills = self.short_first.split_running(prefills, config.short_tokens)
+        ordered = decodes + prefills + short_run
         if any(a is not b for a, b in zip(self.running, ordered)):
             self.running[:] = ordered
-        decode_tokens = sum(_vllm.decode_tokens(self, r, step) for r in decodes)
         plan = self.pacer.plan(
-            decoding=bool(decodes),
-            prefill_pending=bool(prefills or self.waiting or self.skipped_waiting),
-            decode_tokens=decode_tokens,
-            prefill_start=prefills[0].num_computed_tokens if prefills else 0,
+            decoding=decoding,
+            prefill_pending=bool(short_run or prefills or self.waiting or self.skipped_waiting),
+            decode_tokens=sum(decode_tokens.values()),
+            prefill_start=(prefills or short_run)[0].num_computed_tokens if prefills or short_run else 0,
             engine_throttle=throttle_prefills,
         )
 
+        arrangement = None
         if plan.defer:
             # vLLM disables its throttle while prefill capacity is saturated (a DP
             # balancing heuristic); the cadence is bounded by MAX_DEFERRED instead.
             self.prefill_capacity_bound = False
             output = super().schedule(True)
         elif plan.prefill_cap is not None:
-            output = self._schedule_capped(decode_tokens + plan.prefill_cap, plan.prefill_cap)
+            if short_first:
+                arrangement = self.short_first.arrange(
+                    cap=plan.prefill_cap, short_run=short_run, long_run=prefills,
+                    short_tokens=config.short_tokens, long_min_share=config.long_min_share,
+                    block_size=self.pacer.block_size)
+            output = self._schedule_capped(sum(decode_tokens.values()) + plan.prefill_cap, plan.prefill_cap,
+                                           arrangement)
         else:
-            output = super().schedule(throttle_prefills and self.pacer.config.mode != "cadence")
+            output = super().schedule(throttle_prefills and config.mode != "cadence")
 
-        self._record_step(output, {r.request_id for r in decodes}, plan, now)
+        self._record_step(output, {r.request_id for r in decodes}, plan, now, arrangement)
         return output
 
-    def _schedule_capped(self, budget: int, cap: int) -> SchedulerOutput:
+    def _schedule_capped(self, budget: int, cap: int, arrangement: Arrangement | None) -> SchedulerOutput:
         config = self.scheduler_config
         saved_budget = self.max_num_scheduled_tokens
         saved_threshold = config.long_prefill_token_threshold
@@ -314,14 +332,30 @@ class _PacingMixin:
         config.long_prefill_token_threshold = (
             cap if saved_threshold <= 0 else min(saved_threshold, cap)
         )
+        self._arrangement = arrangement
         try:
-            return super().schedule(False)
+            with self.short_first.applied(arrangement):
+                return super().schedule(False)
         finally:
+            self._arrangement = None
             self.max_num_scheduled_tokens = saved_budget
             config.long_prefill_token_threshold = saved_threshold
 
+    def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, *args) -> int:
+        """The per-request seam both of vLLM's loops call after sizing a chunk (see
+        engine_patches.short_first): this step's clamp on long prefills, then vLLM's own
+        block alignment where the model needs it."""
+        arrangement = self._arrangement
+        if arrangement is not None:
+            num_new_tokens = arrangement.clamp(request.request_id, num_new_tokens)
+        if self._model_aligns:
+            num_new_tokens = super()._mamba_block_aligned_split(request, num_new_tokens, *args)
+        if arrangement is not None:
+            arrangement.took(request.request_id, num_new_tokens)
+        return num_new_tokens
+
     def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan,
-                     now: float) -> None:
+                     now: float, arrangement: Arrangement | None = None) -> None:
         decode_rows = 0
         chunks: list[tuple[int, int]] = []
         for req_id, n in output.num_scheduled_tokens.items():
@@ -333,20 +367,25 @@ class _PacingMixin:
                 chunks.append((start, n))
         x = features(decode_rows, chunks)
         self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x))
+        short_tokens = 0
+        if arrangement is not None and (arrangement.long_ids or arrangement.waiting_order is not None):
+            # a short prompt went ahead of a long one that wanted the same tokens
+            short_tokens = sum(n for rid, n in output.num_scheduled_tokens.items() if rid in arrangement.short_ids)
         self.pacing_telemetry.step(
             decode_rows=decode_rows,
             prefill_tokens=sum(n for _, n in chunks),
             plan_cap=plan.prefill_cap,
             deferred=plan.defer,
             unreachable=plan.unreachable,
+            short_first=short_tokens > 0,
         )
         if self._trace is not None and output.total_num_scheduled_tokens:
-            self._write_trace(now, decode_rows, chunks, plan, x)
+            self._write_trace(now, decode_rows, chunks, plan, x, short_tokens)
 
     def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
-                     plan: StepPlan, x: tuple[float, ...]) -> None:
+                     plan: StepPlan, x: tuple[float, ...], short_tokens: int) -> None:
         """One JSON line per step with work in it while pacing is on: what was scheduled
-        and why. `t` is when schedule() was called. With the synchronous loop a step lasts
+        and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one). `t` is when schedule() was called. With the synchronous loop a step lasts
         until the next line's `t`; with async scheduling (two steps in flight) its duration
         is the gap between the next two lines' `t`."""
         adaptive = self.pacer.config.mode == "adaptive"
@@ -354,6 +393,7 @@ class _PacingMixin:
             "step": self.current_step, "t": round(now, 6), "mode": self.pacer.config.mode,
             "decode_rows": decode_rows, "chunks": chunks, "cap": plan.prefill_cap,
             "deferred": plan.defer, "unreachable": plan.unreachable,
+            "short_first_tokens": short_tokens,
             "aim": round(self.pacer.aim, 4) if adaptive else None,
             "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
         }

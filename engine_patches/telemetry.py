@@ -60,6 +60,11 @@ class PacingMetrics:
             "a step without prefill already exceeds the target",
             registry=registry,
         )
+        self.short_first = Counter(
+            "prefill_gate_pacing_short_first_total",
+            "Bounded steps in which a short prompt was prefilled ahead of a long one",
+            registry=registry,
+        )
         self.aim = Gauge(
             "prefill_gate_pacing_aim_ratio",
             "Adaptive mode: the fraction of the target the model's prediction is aimed at",
@@ -88,6 +93,7 @@ class PacingTelemetry:
         self.prefill_tokens_with_decodes = 0
         self.last_cap: int | None = None
         self.unreachable_steps = 0
+        self.short_first_steps = 0
         self.aim = 1.0
         self._next_log = clock() + config.log_interval_s
         self.metrics: PacingMetrics | None = None
@@ -99,7 +105,7 @@ class PacingTelemetry:
                 logger.info("prefill-gate pacing metrics on :%d/metrics", config.metrics_port)
 
     def step(self, *, decode_rows: int, prefill_tokens: int, plan_cap: int | None,
-             deferred: bool, unreachable: bool = False) -> None:
+             deferred: bool, unreachable: bool = False, short_first: bool = False) -> None:
         if deferred:
             kind = "deferred"
         elif decode_rows and prefill_tokens:
@@ -117,9 +123,12 @@ class PacingTelemetry:
         if plan_cap is not None:
             self.last_cap = plan_cap
         self.unreachable_steps += unreachable
+        self.short_first_steps += short_first
         if self.metrics is not None:
             if unreachable:
                 self.metrics.unreachable.inc()
+            if short_first:
+                self.metrics.short_first.inc()
             if kind:
                 self.metrics.steps.labels(kind).inc()
             if decode_rows and prefill_tokens:
@@ -144,6 +153,7 @@ class PacingTelemetry:
             "steps": dict(self.counts),
             "prefill_tokens_with_decodes": self.prefill_tokens_with_decodes,
             "last_cap_tokens": self.last_cap,
+            "short_first_steps": self.short_first_steps,
         }
         if self.config.mode == "adaptive":
             out["model"] = {

@@ -131,7 +131,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from .sim.server import create_sim_app
 
     overrides = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                                                "block_size", "pacing_cap") if getattr(args, k) is not None}
+                                                "block_size", "pacing_cap", "pacing_short_tokens",
+                                                "pacing_long_min_share") if getattr(args, k) is not None}
     if args.no_prefix_caching:
         overrides["enable_prefix_caching"] = False
     cost = {f.name: getattr(args, "cost_" + f.name) for f in _cost_fields() if getattr(args, "cost_" + f.name) is not None}
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prefill-token-threshold", type=int)
     p.add_argument("--pacing-cap", type=int, help="act like engine_patches' cap mode: at most N prefill "
                                                   "tokens per step while a request decodes")
+    p.add_argument("--pacing-short-tokens", type=int, metavar="N",
+                   help="with --pacing-cap: prompts with at most N uncached tokens left go before longer "
+                        "ones in a capped step, as engine_patches' PREFILL_GATE_PACING_SHORT_TOKENS "
+                        "(0: arrival order; default 1024)")
+    p.add_argument("--pacing-long-min-share", type=float, metavar="X",
+                   help="with --pacing-cap: the least share of a capped step a long prompt keeps "
+                        "(PREFILL_GATE_PACING_LONG_MIN_SHARE; default 0.5)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")

@@ -175,3 +175,27 @@ def test_agent_bench_helpers():
     tokens = [0.0, 0.01, 0.02, 0.10, 0.11]
     assert max_gap_in(tokens, 0.015, 0.105) == pytest.approx(0.08)
     assert max_gap_in(tokens, 0.5, 0.6) != max_gap_in(tokens, 0.5, 0.6)  # nan: no gap inside
+
+
+@pytest.mark.parametrize("short_tokens,within", [(1024, 3), (0, 70)])
+def test_paced_engine_serves_short_prompts_first(short_tokens, within):
+    """The paced simulator follows engine_patches' short-first rule: a 300-token prompt that
+    arrives while a long prompt prefills next to a stream is prefilled in three steps of
+    half a 256-token cap (in arrival order: after the long one's ~70 more), and the long
+    one keeps the other half."""
+    e = engine(max_num_batched_tokens=8192, pacing_cap=256, pacing_short_tokens=short_tokens,
+               enable_prefix_caching=False)
+    e.add(req(40, out=10_000))
+    steps(e, 1)
+    long = e.add(req(20_000, out=1, base=1000))
+    steps(e, 5)
+    short = e.add(req(300, out=1, base=50_000))
+    for n in range(1, 200):
+        plan = e.plan()
+        got = dict((r.id, k) for r, k in plan.chunks)
+        if short_tokens and long.prefilling:
+            assert got.get(long.id, 0) >= 128
+        e.apply(plan)
+        if short.finished:
+            break
+    assert n <= within if short_tokens else n >= within

@@ -5,7 +5,10 @@ a token budget per step (``max_num_batched_tokens``); every decoding request
 gets its token first; then prompt chunks, first come first served, each capped by
 ``long_prefill_token_threshold`` and what is left of the budget; at most
 ``max_num_seqs`` requests run; prompts reuse whole cached blocks of earlier prompts
-(prefix caching), and at least the last prompt token is always computed.
+(prefix caching), and at least the last prompt token is always computed. With
+``pacing_cap``, it paces like engine_patches' cap mode: while a request decodes, a step's
+prefill is capped, and short prompts go before long ones within the cap
+(``pacing_short_tokens``, ``pacing_long_min_share``: engine_patches.short_first's rule).
 
 ``plan()`` is pure arithmetic (tests check it against hand-computed step
 sequences); ``run()`` sleeps each step for the time the ``CostModel`` gives.
@@ -21,6 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from engine_patches.short_first import reserve_for_short, short_first_order
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # 0: no per-request cap
     pacing_cap: int = 0  # engine_patches' cap mode: prefill tokens per step while decoding (0: off)
+    pacing_short_tokens: int = 1024  # ... and its short-first rule (0: arrival order)
+    pacing_long_min_share: float = 0.5
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int = 1 << 16
@@ -124,12 +131,13 @@ class PrefixCache:
         self.capacity = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
-    def hit_blocks(self, hashes: list[int]) -> int:
+    def hit_blocks(self, hashes: list[int], touch: bool = True) -> int:
         n = 0
         for h in hashes:
             if h not in self._blocks:
                 break
-            self._blocks.move_to_end(h)
+            if touch:
+                self._blocks.move_to_end(h)
             n += 1
         return n
 
@@ -193,19 +201,28 @@ class Engine:
     def plan(self) -> StepPlan:
         """Choose this step's work; mutates only the waiting/running lists (admission)."""
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
         for req in self.running:  # decodes first
             if not req.prefilling and budget > 0:
                 plan.decodes.append(req)
                 budget -= 1
-        if plan.decodes and self.config.pacing_cap > 0:  # a paced engine (engine_patches, cap)
-            budget = min(budget, self.config.pacing_cap)
-        for req in self.running:  # then running prompts, in arrival order
-            if req.prefilling and budget > 0:
-                n = self._cap(req.prompt_len - req.num_computed, budget)
+        prefilling = [r for r in self.running if r.prefilling]
+        long_ids: set[int] = set()
+        long_budget = budget
+        if plan.decodes and cfg.pacing_cap > 0:  # a paced engine (engine_patches, cap)
+            budget = long_budget = min(budget, cfg.pacing_cap)
+            if cfg.pacing_short_tokens:
+                prefilling, long_ids, long_budget = self._short_first(prefilling, budget)
+        for req in prefilling:  # then running prompts (long ones clamped, as engine_patches)
+            room = min(budget, long_budget) if req.id in long_ids else budget
+            if room > 0:
+                n = self._cap(req.prompt_len - req.num_computed, room)
                 plan.chunks.append((req, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                if req.id in long_ids:
+                    long_budget -= n
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.pop(0)
             if self.config.enable_prefix_caching:
                 hit = self.cache.hit_blocks(req.block_hashes) * self.config.block_size
@@ -215,6 +232,30 @@ class Engine:
             plan.chunks.append((req, n))
             budget -= n
         return plan
+
+    def _remaining(self, req: SimRequest) -> int:
+        if req.num_computed or not self.config.enable_prefix_caching:
+            return req.prompt_len - req.num_computed
+        hit = self.cache.hit_blocks(req.block_hashes, touch=False) * self.config.block_size
+        return req.prompt_len - min(hit, req.prompt_len - 1)
+
+    def _short_first(self, prefilling: list[SimRequest], cap: int) -> tuple[list[SimRequest], set[int], int]:
+        """engine_patches' short-first rule in a capped step: long prompts first but clamped
+        to what the short ones leave them (at least their share of the cap), then short
+        running prompts; waiting short prompts move ahead of waiting long ones."""
+        cfg = self.config
+        short = [r for r in prefilling if self._remaining(r) <= cfg.pacing_short_tokens]
+        long = [r for r in prefilling if self._remaining(r) > cfg.pacing_short_tokens]
+        slots = cfg.max_num_seqs - len(self.running)
+        waiting_short = [r for r in self.waiting[:256] if self._remaining(r) <= cfg.pacing_short_tokens][:slots]
+        if not short and not waiting_short:
+            return long, set(), cap
+        if waiting_short:
+            ids = {id(r) for r in waiting_short}
+            self.waiting[:256] = short_first_order(self.waiting[:256], ids)
+        demand = sum(self._remaining(r) for r in short + waiting_short)
+        reserve = reserve_for_short(cap, demand, bool(long), cfg.pacing_long_min_share)
+        return long + short, {r.id for r in long}, cap - reserve
 
     def step_seconds(self, plan: StepPlan) -> float:
         t = self.cost.step_seconds([r.context for r in plan.decodes], [(n, r.num_computed) for r, n in plan.chunks])

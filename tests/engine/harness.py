@@ -8,6 +8,7 @@ that finished its prompt and none for a partial prefill chunk.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ def vllm_config(
     num_spec_tokens: int = 0,
     async_scheduling: bool = False,
     long_prefill_token_threshold: int = 0,
+    policy: str = "fcfs",
+    enable_prefix_caching: bool = False,
 ) -> VllmConfig:
     max_model_len = 65536
     model_config = ModelConfig(
@@ -90,12 +93,13 @@ def vllm_config(
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=policy,
     )
     cache_config = CacheConfig(
         block_size=block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         mamba_cache_mode="align" if hybrid_align else "none",
     )
     speculative_config = None
@@ -160,6 +164,17 @@ def build(cls, model: Path, *, num_blocks: int = 10_000, graph_sizes: list[int] 
 _ids = itertools.count()
 
 
+@functools.cache
+def _block_hasher(block_size: int):
+    """vLLM's request block hasher (sha256), as its engine core builds it; the seed hash
+    is set once per process (it is random unless PYTHONHASHSEED is set)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
 @dataclass
 class Step:
     """One scheduled step, classified with what was known before it ran."""
@@ -196,11 +211,17 @@ class Engine:
         if cost is not None:
             scheduler.pacing_clock = lambda: self.now
 
-    def add(self, prompt_tokens: int, max_tokens: int, name: str | None = None) -> str:
+    def add(self, prompt_tokens: int, max_tokens: int, name: str | None = None, *,
+            tokens: list[int] | None = None, priority: int = 0) -> str:
+        """A request of `prompt_tokens` copies of one token, or of `tokens` (distinct
+        prompts for prefix-caching tests)."""
         rid = name or f"r{next(_ids)}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        request = Request(rid, [7] * prompt_tokens, params, None)
-        self.scheduler.add_request(request)
+        sched = self.scheduler
+        hasher = _block_hasher(sched.cache_config.block_size) if sched.cache_config.enable_prefix_caching else None
+        request = Request(rid, tokens if tokens is not None else [7] * prompt_tokens, params, None,
+                          priority=priority, block_hasher=hasher)
+        sched.add_request(request)
         return rid
 
     def step(self) -> Step:
