@@ -18,9 +18,17 @@ measured gaps (``observe_itl``) whose p95 is within the SLO adds ``step_tokens``
 (additive increase); one over it halves the budget (multiplicative decrease), so a
 budget that hurt the streams falls back to holding.
 
-A ticket's life: QUEUED? -> PREFILLING -> DECODING? -> DONE. Every transition
-updates the counters of its upstream, and ``finish`` is the single exit: calling
-it twice is a bug and raises.
+Slicing (``slicing`` on or auto, for stock engines): a large prefill that the rule would
+hold may instead be *sliced* on an upstream that can (``can_slice``: prefix caching and
+``/tokenize``) and has no other slicer: the proxy warms the engine's prefix cache with
+growing prefixes of the prompt, one small request at a time, then sends the request
+itself, whose prefill is then only the tail. ``on`` slices whenever it would hold; ``auto``
+asks ``chooser(ticket, upstream)`` (the predicted finish of holding against slicing). A
+sliced request is never rerouted: its prefix is cached where it was sliced.
+
+A ticket's life: QUEUED? -> SLICING? -> PREFILLING -> DECODING? -> DONE (a slicer that
+cannot tokenize goes back: SLICING -> QUEUED). Every transition updates the counters of
+its upstream, and ``finish`` is the single exit: calling it twice is a bug and raises.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class RequestClass(str, enum.Enum):
 class Phase(enum.Enum):
     NEW = "new"
     QUEUED = "queued"
+    SLICING = "slicing"
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DONE = "done"
@@ -48,8 +57,15 @@ class Phase(enum.Enum):
 
 class Decision(str, enum.Enum):
     ADMITTED = "admitted"
+    SLICING = "slicing"
     QUEUED = "queued"
     REJECTED = "rejected"
+
+
+class Slicing(str, enum.Enum):
+    OFF = "off"
+    ON = "on"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ class Limits:
     budget_max_tokens: int = 1 << 20
     itl_window: float = 1.0  # seconds per AIMD decision
     itl_min_samples: int = 10  # a window decides only with at least this many gaps
+    slicing: Slicing = Slicing.OFF
 
 
 @dataclass(eq=False)
@@ -83,6 +100,9 @@ class Ticket:
     deadline: float = float("inf")
     admitted_at: float | None = None
     expired: bool = False  # admitted because its wait bound passed
+    sliceable: bool = False  # its prompt can be sliced (the app decides from the request)
+    sliced: bool = False  # its prefix was sliced into the cache: only the tail is prefill
+    chosen: bool | None = None  # auto slicing: the chooser's last answer (slice?), for the log
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -99,6 +119,8 @@ class UpstreamState:
     prefill_tokens: int = 0  # estimated prompt tokens of requests still prefilling
     budget_tokens: int = 0  # closed loop: in-flight prefill tokens allowed next to decodes
     itl_p95: float | None = None  # closed loop: the last decided window's p95 gap
+    can_slice: bool = False  # prefix caching on and /tokenize answers (probed by the app)
+    slicer: int | None = None  # the ticket slicing here (one at a time)
     gaps: list[float] = field(default_factory=list, repr=False)
     window_start: float = 0.0
 
@@ -113,10 +135,15 @@ class PolicyError(RuntimeError):
     """A caller broke the ticket protocol (released twice, decoded before admission)."""
 
 
+Chooser = Callable[[Ticket, UpstreamState], bool]  # auto slicing: True to slice, False to hold
+
+
 class AdmissionPolicy:
-    def __init__(self, upstreams: Iterable[str], limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, upstreams: Iterable[str], limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic,
+                 chooser: Chooser | None = None):
         self.limits = limits
         self.clock = clock
+        self.chooser = chooser
         start = limits.budget_start_tokens if limits.itl_slo is not None else 0
         self.upstreams = {name: UpstreamState(name, budget_tokens=start, window_start=clock())
                           for name in upstreams}
@@ -142,9 +169,6 @@ class AdmissionPolicy:
         if not self._queue:
             return 1.0
         return max(1.0, min(t.deadline for t in self._queue) - self.clock())
-
-    def next_deadline(self) -> float | None:
-        return min((t.deadline for t in self._queue), default=None)
 
     def due(self) -> list[Ticket]:
         now = self.clock()
@@ -172,10 +196,39 @@ class AdmissionPolicy:
             ticket.phase = Phase.DONE
             return Decision.REJECTED
         ticket.deadline = ticket.arrived + self.limits.max_queue_wait
+        self._enqueue(ticket)
+        self._pump()
+        if ticket.phase is Phase.SLICING:
+            return Decision.SLICING
+        return Decision.ADMITTED if ticket.phase is Phase.PREFILLING else Decision.QUEUED
+
+    def sliced(self, ticket: Ticket, tail_tokens: int) -> list[Ticket]:
+        """Slicing is over: the request goes to its upstream, with ``tail_tokens`` left to
+        prefill. Returns tickets admitted by the freed slicer."""
+        if ticket.phase is not Phase.SLICING:
+            raise PolicyError(f"ticket {ticket.id} sliced from {ticket.phase.value}")
+        up = self.upstreams[ticket.upstream]
+        up.slicer = None
+        ticket.sliced = True
+        ticket.tokens = tail_tokens
+        self._admit(ticket, up)
+        return self._pump()
+
+    def unslice(self, ticket: Ticket) -> list[Ticket]:
+        """The slicer could not start (no token ids): back to the queue, in its old place
+        and with its old deadline, never to be sliced again. Returns tickets admitted,
+        possibly this one."""
+        if ticket.phase is not Phase.SLICING:
+            raise PolicyError(f"ticket {ticket.id} unsliced from {ticket.phase.value}")
+        self.upstreams[ticket.upstream].slicer = None
+        ticket.sliceable = False
+        ticket.upstream = None
+        self._enqueue(ticket)
+        return self._pump()
+
+    def _enqueue(self, ticket: Ticket) -> None:
         ticket.phase = Phase.QUEUED
         bisect.insort(self._queue, ticket, key=lambda t: t.sort_key)
-        self._pump()
-        return Decision.ADMITTED if ticket.phase is Phase.PREFILLING else Decision.QUEUED
 
     def start_decoding(self, ticket: Ticket) -> list[Ticket]:
         """The first content chunk arrived: the prefill is over. Returns tickets admitted by it."""
@@ -198,6 +251,9 @@ class AdmissionPolicy:
             self._queue.remove(ticket)
             return self._pump()
         up = self.upstreams[ticket.upstream]
+        if phase is Phase.SLICING:
+            up.slicer = None
+            return self._pump()
         up.active -= 1
         if phase is Phase.PREFILLING:
             self._end_prefill(up, ticket)
@@ -245,7 +301,7 @@ class AdmissionPolicy:
         if ticket.phase is not Phase.PREFILLING:
             raise PolicyError(f"ticket {ticket.id} rerouted from {ticket.phase.value}")
         others = [u for u in self.upstreams.values() if u.healthy and u.name not in tried]
-        if not others:
+        if not others or ticket.sliced:  # a sliced prefix is cached where it was sliced
             return None
         old = self.upstreams[ticket.upstream]
         old.active -= 1
@@ -255,7 +311,7 @@ class AdmissionPolicy:
         new.active += 1
         new.prefill_tokens += ticket.tokens
         if ticket.cls is RequestClass.LARGE:
-            new.large_in_flight += 1
+            new.large_in_flight += 1  # (never sliced: see above)
         return self._pump()
 
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
@@ -304,24 +360,46 @@ class AdmissionPolicy:
         ticket.admitted_at = self.clock()
         up.active += 1
         up.prefill_tokens += ticket.tokens
-        if ticket.cls is RequestClass.LARGE:
+        if ticket.cls is RequestClass.LARGE and not ticket.sliced:
             up.large_in_flight += 1
 
     def _end_prefill(self, up: UpstreamState, ticket: Ticket) -> None:
         up.prefill_tokens -= ticket.tokens
-        if ticket.cls is RequestClass.LARGE:
+        if ticket.cls is RequestClass.LARGE and not ticket.sliced:
             up.large_in_flight -= 1
 
+    def _slicer_for(self, ticket: Ticket) -> UpstreamState | None:
+        """An upstream where this held ticket may be sliced instead, if any (and, in auto
+        mode, if the chooser predicts slicing finishes it sooner than holding)."""
+        mode = self.limits.slicing
+        if mode is Slicing.OFF or not ticket.sliceable:
+            return None
+        ok = [u for u in self.upstreams.values()
+              if u.healthy and u.can_slice and u.slicer is None and u.large_in_flight == 0]
+        if not ok:
+            return None
+        up = next((u for u in ok if u.name == ticket.prefer), None) or min(ok, key=lambda u: (u.live_decodes, u.active))
+        if mode is Slicing.AUTO and self.chooser is not None and not self.chooser(ticket, up):
+            return None
+        return up
+
     def _pump(self) -> list[Ticket]:
-        """Admit queued tickets, head first, while the rule allows. Strict order: the
-        head blocks those behind it (every large prefill needs the same condition)."""
+        """Admit queued tickets (or start slicing them), head first, while the rule allows.
+        Strict order: the head blocks those behind it (every large prefill needs the same
+        condition)."""
         admitted = []
         while self._queue:
             head = self._queue[0]
             up = self._eligible(head)
-            if up is None:
+            if up is not None:
+                self._queue.pop(0)
+                self._admit(head, up)
+            elif (up := self._slicer_for(head)) is not None:
+                self._queue.pop(0)
+                head.phase = Phase.SLICING
+                head.upstream = up.name
+                up.slicer = head.id
+            else:
                 break
-            self._queue.pop(0)
-            self._admit(head, up)
             admitted.append(head)
         return admitted

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .admission import AdmissionPolicy, Limits
+from .admission import AdmissionPolicy, Limits, Slicing, Ticket, UpstreamState
+from .capabilities import MAX_METRICS_BYTES, Capabilities, parse_cache_config
 from .auth import OPEN_PATHS, KeyCheck
 from .errors import HeadersTooLarge, ProxyError, Unauthorized
 from .estimate import (
@@ -37,9 +38,10 @@ from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
 from .gate import Gate
 from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
+from .predict import Predictor
 from .prefix_memory import PrefixMemory
 from .settings import Settings
-from .upstream import UpstreamClient
+from .upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger("prefill_gate")
 
@@ -58,6 +60,8 @@ class AppState:
     health: dict[str, bool] = field(default_factory=dict)
     keys: KeyCheck | None = None
     exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
+    predictor: Predictor | None = None
+    caps: dict[str, Capabilities] = field(default_factory=dict)  # slicing: what each upstream can do
 
     def end_exchanges(self) -> int:
         """Shutdown's grace is over: end every request in progress with an error."""
@@ -72,6 +76,30 @@ class AppState:
         self.health[upstream] = healthy
         self.metrics.upstream_up.labels(upstream).set(1 if healthy else 0)
         self.gate.set_health(upstream, healthy)
+
+    def set_capabilities(self, upstream: str, caps: Capabilities) -> None:
+        old = self.caps.get(upstream)
+        if old != caps:
+            if caps.can_slice:
+                log.info("upstream %s can be sliced (KV blocks of %d tokens)", upstream, caps.block_size)
+            else:
+                log.warning("upstream %s cannot be sliced, large prefills are held there: %s", upstream,
+                            caps.why_not())
+        self.caps[upstream] = caps
+        self.policy.upstreams[upstream].can_slice = caps.can_slice
+        self.metrics.can_slice.labels(upstream).set(1 if caps.can_slice else 0)
+        if caps.can_slice:
+            self.gate.set_health(upstream, self.policy.upstreams[upstream].healthy)  # a held prompt may slice now
+
+    def choose_slice(self, ticket: Ticket, up: UpstreamState) -> bool:
+        """Slicing auto: slice this held ticket on ``up`` rather than hold it?"""
+        choice = self.predictor.choose(up.name, ticket.tokens)
+        if ticket.chosen is not choice.slice:  # log each change of mind once
+            ticket.chosen = choice.slice
+            log.info("large prefill #%d (%d tokens) on %s: %s (%s; hold then prefill ~%.2f s, slice ~%.2f s)",
+                     ticket.id, ticket.tokens, up.name, "slice" if choice.slice else "hold", choice.reason,
+                     choice.finish_hold_s, choice.finish_slice_s)
+        return choice.slice
 
     def pick_upstream(self) -> str:
         up = [u for u in self.settings.upstreams if self.health.get(u, True)]
@@ -110,8 +138,12 @@ def build_state(
         itl_slo=settings.itl_slo_ms / 1000 if settings.itl_slo_ms else None,
         budget_start_tokens=settings.closed_loop_start_tokens,
         budget_step_tokens=settings.closed_loop_step_tokens,
+        slicing=Slicing(settings.slicing),
     )
     policy = AdmissionPolicy(settings.upstreams, limits)
+    predictor = Predictor(settings.upstreams, slice_gap_s=settings.slice_gap_ms / 1000,
+                          max_gap_s=settings.max_gap_ms / 1000, min_slice_tokens=settings.min_slice_tokens,
+                          max_slice_tokens=settings.max_slice_tokens)
     client = UpstreamClient(
         settings.upstreams,
         connect_timeout=settings.connect_timeout,
@@ -130,7 +162,9 @@ def build_state(
     )
     state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator,
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
-                     keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None)
+                     keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
+                     predictor=predictor)
+    policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
     for u in settings.upstreams:
@@ -138,11 +172,28 @@ def build_state(
     return state
 
 
+async def probe_capabilities(client: UpstreamClient, upstream: str) -> Capabilities:
+    """Block size and prefix caching from vLLM's /metrics, and whether /tokenize answers."""
+    try:
+        status, page = await client.request_bytes(upstream, "GET", "/metrics", limit=MAX_METRICS_BYTES, timeout=2.0)
+        block, caching = parse_cache_config(page) if status == 200 else (None, False)
+        status, body = await client.request_bytes(upstream, "POST", "/tokenize", b'{"prompt":"a"}',
+                                                  limit=64 * 1024, timeout=2.0)
+    except UpstreamError:
+        return Capabilities()
+    return Capabilities(block, caching, status == 200 and b'"tokens"' in body)
+
+
 async def _health_loop(state: AppState) -> None:
+    ups = state.settings.upstreams
     while True:
-        results = await asyncio.gather(*(state.client.healthy(u) for u in state.settings.upstreams))
-        for u, ok in zip(state.settings.upstreams, results):
+        results = await asyncio.gather(*(state.client.healthy(u) for u in ups))
+        for u, ok in zip(ups, results):
             state.mark_health(u, ok)
+        if state.settings.slicing != "off":
+            caps = await asyncio.gather(*(probe_capabilities(state.client, u) for u, ok in zip(ups, results) if ok))
+            for u, c in zip([u for u, ok in zip(ups, results) if ok], caps):
+                state.set_capabilities(u, c)
         await asyncio.sleep(state.settings.health_interval)
 
 
@@ -220,6 +271,9 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
                     "live_decodes": ups[u].live_decodes,
                     "large_prefills_in_flight": ups[u].large_in_flight,
                     "active": ups[u].active,
+                    **({"slicing": {"possible": state.caps[u].can_slice, "why_not": state.caps[u].why_not() or None,
+                                    "block_size": state.caps[u].block_size, "slicing_now": ups[u].slicer is not None}}
+                       if state.settings.slicing != "off" and u in state.caps else {}),
                 }
                 for u in state.settings.upstreams
             },

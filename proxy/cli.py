@@ -183,6 +183,12 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
     return mixed_main(args)
 
 
+def cmd_bench_mixed_report(args: argparse.Namespace) -> int:
+    from .bench.mixed import main_report
+
+    return main_report(args)
+
+
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     from .bench.agent import main as agent_main
 
@@ -264,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     mixed_arguments(p)
     p.set_defaults(func=cmd_bench_mixed)
+    p = bench.add_parser("mixed-report", help="tables and plot of saved bench mixed results, merged")
+    p.add_argument("files", nargs="+", metavar="F.json")
+    p.add_argument("--json", help="write the merged result here")
+    p.add_argument("--plot", help="write the CDFs here (PNG)")
+    p.set_defaults(func=cmd_bench_mixed_report)
 
     p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine")
     p.add_argument("--preset", default="h200-qwen3-8b")

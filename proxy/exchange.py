@@ -15,13 +15,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import logging
+
 import httpx
 
-from .admission import RequestClass, Ticket
+from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
 from .estimate import Estimate, shape_of
 from .prefix_memory import prefix_hashes
+from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices, tokenize_payload
 from .relay import (
     DONE_EVENT,
     Exchange,
@@ -32,13 +35,15 @@ from .relay import (
     relay_raw,
     send_body,
 )
-from .upstream import mapped_errors, response_headers
+from .upstream import UpstreamError, mapped_errors, response_headers
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
     from .app import AppState
     from .gate import Lease
+
+log = logging.getLogger("prefill_gate")
 
 CLASS_HEADER = "x-prefill-gate-class"
 PRIORITY_HEADER = "x-prefill-gate-priority"
@@ -117,6 +122,8 @@ def priority_of(body: dict, header: str | None) -> int:
 # vLLM caches whole blocks (16 tokens by default) and always computes the last prompt token:
 # a credit this much over the reported cached_tokens means the upstream evicted the prefix.
 CREDIT_SLACK_TOKENS = 256
+# A /tokenize answer lists ids: at most this many bytes per byte of the request's body limit.
+TOKEN_IDS_LIMIT_FACTOR = 4
 # Upstream answers that mean "not now, not here": another upstream may take the request.
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -136,6 +143,9 @@ class GatedRequest:
     assemble: bool = False  # the client wants JSON; we stream upstream to see the phase
     prefixes: list[bytes] | None = None  # chat: hashes of the message-list prefixes
     prefix_tokens: list[int] | None = None  # and their cumulative estimated tokens
+    max_tokens: int | None = None
+    slice_payload: dict | None = None  # the /tokenize request for its ids (sliceable requests)
+    cache_salt: str | None = None
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
@@ -158,18 +168,26 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         raw = json.dumps(body).encode()
         drop_usage = True
+    slice_payload = None
+    if cls is RequestClass.LARGE and state.settings.slicing != Slicing.OFF:
+        slice_payload = tokenize_payload(body, endpoint)
     ticket = Ticket(
         cls=cls,
         tokens=estimate.tokens,
         protected=streaming or assemble,  # a phase the proxy cannot see cannot be protected
         priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
         prefer=hit.upstream if hit else None,  # keep a conversation where its prefix is cached
+        sliceable=slice_payload is not None,
     )
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
     state.metrics.cached_tokens.observe(estimate.cached)
     prefix_tokens = state.estimator.message_tokens(body["messages"], model) if prefixes else None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    salt = body.get("cache_salt")
     return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
-                        estimate, ticket, received_at, assemble, prefixes, prefix_tokens)
+                        estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
+                        max_tokens if isinstance(max_tokens, int) else None, slice_payload,
+                        salt if isinstance(salt, str) else None)
 
 
 class GatedExchange(Exchange):
@@ -180,6 +198,8 @@ class GatedExchange(Exchange):
         self.lease: Lease | None = None
         self.usage: dict | None = None
         self.prefilled = False  # the upstream computed (and so caches) the prompt
+        self.observer: StreamObserver | None = None
+        self.slice_run: SliceRun | None = None
         cls = req.ticket.cls.value
         self._ttft = state.metrics.ttft.labels(cls)
         self._itl = {True: state.metrics.itl.labels(cls, "true"), False: state.metrics.itl.labels(cls, "false")}
@@ -196,6 +216,8 @@ class GatedExchange(Exchange):
                 if keepalive is not None:
                     admitted.set()
                     await keepalive  # ends after at most the comment it is writing
+                if lease.slicing:
+                    await self._slice(lease)
                 await self._send_upstream(send, lease)
         finally:
             if keepalive is not None and not keepalive.done():
@@ -231,6 +253,64 @@ class GatedExchange(Exchange):
                 if not lease.reroute(tried):
                     raise
                 st.metrics.retries.labels(upstream).inc()
+
+    async def _slice(self, lease: Lease) -> None:
+        """Warm the lease's upstream with slices of the prompt, then let the request go
+        (only its tail left to prefill). No token ids (``/tokenize`` failed, or the upstream
+        lost its capabilities): back to the queue, held like any large prefill."""
+        st, req = self.state, self.req
+        upstream = lease.upstream
+        caps = st.caps.get(upstream)
+        ids = await self._token_ids(upstream) if caps is not None and caps.can_slice else None
+        if ids is None:
+            await lease.hold()
+            return
+        predictor = st.predictor
+
+        async def send(body: bytes) -> bool:
+            try:
+                status, _ = await st.client.request_bytes(upstream, "POST", "/v1/completions", body,
+                                                          limit=MAX_SLICE_ANSWER_BYTES, timeout=st.settings.read_timeout)
+            except UpstreamError as exc:
+                log.warning("slice of request #%d on %s failed: %s", req.ticket.id, upstream, exc.message)
+                return False
+            return status == 200
+
+        run = await run_slices(ids, caps.block_size, predictor.sizer(upstream), send, model=req.model or None,
+                               cache_salt=req.cache_salt, deadline=req.ticket.deadline,
+                               window=lambda: predictor.window_start(upstream),
+                               window_max=lambda: predictor.window_max(upstream))
+        self.slice_run = run
+        m = st.metrics
+        m.slices.labels(upstream).inc(run.slices)
+        m.slice_tokens.labels(upstream).inc(run.tokens)
+        m.slicing_seconds.observe(run.seconds)
+        predictor.slice_done(upstream, run.tokens, run.seconds)
+        if run.stopped:
+            log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,
+                        run.tokens, len(ids), run.stopped)
+        lease.sliced(max(1, len(ids) - run.tokens))
+
+    async def _token_ids(self, upstream: str) -> list[int] | None:
+        payload = self.req.slice_payload
+        if "ids" in payload:
+            return payload["ids"]
+        st = self.state
+        try:
+            status, body = await st.client.request_bytes(
+                upstream, "POST", "/tokenize", json.dumps(payload).encode(),
+                limit=TOKEN_IDS_LIMIT_FACTOR * st.settings.max_body_bytes, timeout=st.settings.read_timeout)
+            if status != 200:
+                raise ValueError(f"status {status}: {body[:200]!r}")
+            answer = json.loads(body) if len(body) < 1 << 18 else await asyncio.to_thread(json.loads, body)
+            ids = answer.get("tokens") if isinstance(answer, dict) else None
+            if not isinstance(ids, list) or not ids or not all(type(x) is int for x in ids):
+                raise ValueError("no 'tokens' list of integers in the answer")
+            return ids
+        except (UpstreamError, ValueError) as exc:
+            log.warning("cannot slice request #%d: /tokenize on %s: %s; holding it instead", self.req.ticket.id,
+                        upstream, getattr(exc, "message", exc))
+            return None
 
     async def _keepalive(self, send, admitted: asyncio.Event, every: float) -> None:
         """While held: an SSE comment every ``every`` seconds with the queue position and
@@ -296,7 +376,8 @@ class GatedExchange(Exchange):
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
     async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
-        observer = StreamObserver(self._first_content, self._token_gap, drop_usage=self.req.drop_usage)
+        observer = self.observer = StreamObserver(self._first_content, self._token_gap,
+                                                  drop_usage=self.req.drop_usage)
         await self.start(send, 200, response_headers(resp.headers))
         async for events in self._upstream_events(resp, upstream, observer):
             out = observer.filter(events)
@@ -306,7 +387,7 @@ class GatedExchange(Exchange):
 
     async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
-        observer = StreamObserver(self._first_content, self._token_gap)
+        observer = self.observer = StreamObserver(self._first_content, self._token_gap)
         assembler = Assembler(self.req.endpoint)
         async for events in self._upstream_events(resp, upstream, observer):
             observer.filter(events)
@@ -323,18 +404,33 @@ class GatedExchange(Exchange):
 
     def _first_content(self) -> None:
         self.prefilled = True
-        self.lease.decoding()
-        self._ttft.observe(time.monotonic() - self.req.received_at)
+        lease, ticket, req = self.lease, self.req.ticket, self.req
+        predictor = self.state.predictor
+        now = time.monotonic()
+        if ticket.cls is RequestClass.LARGE and not (ticket.sliced or ticket.expired) \
+                and self.state.policy.limits.itl_slo is None and ticket.admitted_at is not None:
+            predictor.prefill_done(lease.upstream, ticket.tokens, now - ticket.admitted_at)  # held until alone
+        lease.decoding()
+        if ticket.protected:
+            observer = self.observer
+            predictor.stream_started(lease.upstream, id(self), req.max_tokens, req.model,
+                                     lambda: observer.tokens)
+        self._ttft.observe(now - req.received_at)
 
     def _token_gap(self, seconds: float) -> None:
-        self._itl[self.lease.large_prefill_in_flight()].observe(seconds)
-        self.lease.token_gap(seconds)
+        lease = self.lease
+        self._itl[lease.large_prefill_in_flight()].observe(seconds)
+        lease.token_gap(seconds)
+        if lease.ticket.protected:
+            self.state.predictor.gap(lease.upstream, seconds)
 
     def finished(self, outcome: Outcome) -> None:
         st, req = self.state, self.req
         m = st.metrics
         m.requests.labels(req.ticket.cls.value, outcome.kind).inc()
         upstream = self.lease.upstream if self.lease else None
+        if upstream is not None and self.observer is not None and self.observer.first_at is not None:
+            st.predictor.stream_ended(upstream, id(self), self.observer.tokens, outcome.kind == "completed")
         if upstream is not None:
             kind = outcome.extra.get("http_kind") or getattr(outcome.error, "kind", None)
             if kind is not None:
@@ -354,6 +450,8 @@ class GatedExchange(Exchange):
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if isinstance(cached, int) and req.estimate.cached - cached > CREDIT_SLACK_TOKENS:
             m.cache_credit_misses.inc()  # we credited a prefix the upstream no longer held
+        if isinstance(cached, int) and self.slice_run is not None and upstream is not None:
+            m.slice_misses.labels(upstream).inc(max(0, self.slice_run.tokens - cached))
         if isinstance(prompt_tokens, int):
             err = st.estimator.observe(req.model, req.estimate, prompt_tokens)
             if err is not None:

@@ -57,8 +57,27 @@ class Lease:
     def large_prefill_in_flight(self) -> bool:
         return self._gate.policy.large_in_flight(self.ticket.upstream)
 
+    @property
+    def slicing(self) -> bool:
+        """Admitted to slice its prompt into the upstream's cache before it is sent."""
+        return self.ticket.phase is Phase.SLICING
+
+    def sliced(self, tail_tokens: int) -> None:
+        """Slicing is over; the request itself goes to this lease's upstream."""
+        self._gate._wake(self._gate.policy.sliced(self.ticket, tail_tokens))
+        self._gate._sync()
+
+    async def hold(self) -> None:
+        """Slicing could not start: wait in the queue as a held request would (the wait
+        bound counts from its arrival)."""
+        gate = self._gate
+        gate._wake(gate.policy.unslice(self.ticket))
+        if self.ticket.phase is Phase.QUEUED:
+            await gate._wait(self.ticket)
+
     def _release(self) -> None:
-        self._gate._wake(self._gate.policy.finish(self.ticket))
+        if self.ticket.phase is not Phase.DONE:  # a wait inside the lease may have ended it
+            self._gate._wake(self._gate.policy.finish(self.ticket))
 
 
 class Gate:
@@ -90,11 +109,15 @@ class Gate:
                 f"{self.policy.queue_depth} large prefills are already queued; retry later",
                 retry_after=self.policy.retry_after(),
             )
-        if decision is Decision.ADMITTED:
-            self._count(ticket, "immediate")
+        if decision in (Decision.ADMITTED, Decision.SLICING):
+            self._count(ticket, "immediate" if decision is Decision.ADMITTED else "slicing")
             self._sync()
             return
         self._sync()
+        await self._wait(ticket)
+
+    async def _wait(self, ticket: Ticket) -> None:
+        """Wait while queued: until admitted (or slicing), the wait bound, or cancellation."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = fut
         try:
@@ -107,7 +130,8 @@ class Gate:
                         f"waited {self.policy.limits.max_queue_wait:g} s for live decodes to finish "
                         "(max_queue_wait; set on_queue_timeout=admit to admit instead)"
                     ) from None
-            self._count(ticket, "after_timeout" if ticket.expired else "after_wait", waited=True)
+            decision = "after_timeout" if ticket.expired else "after_wait"
+            self._count(ticket, "slicing" if ticket.phase is Phase.SLICING else decision, waited=True)
         except asyncio.CancelledError:
             # The client went away while queued (or just as it was admitted).
             self._count(ticket, "cancelled", waited=True)

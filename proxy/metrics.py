@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 CLASSES = ("interactive", "large")
 OUTCOMES = ("completed", "client_disconnect", "upstream_error", "upstream_http_error", "rejected", "bad_request",
             "shutdown")
-ADMISSIONS = ("immediate", "after_wait", "after_timeout", "rejected_queue_full", "rejected_timeout", "cancelled")
+ADMISSIONS = ("immediate", "slicing", "after_wait", "after_timeout", "rejected_queue_full", "rejected_timeout",
+              "cancelled")
 ERROR_KINDS = ("connect", "timeout", "protocol", "http_4xx", "http_5xx")
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -73,6 +74,20 @@ class Metrics:
                                         "|estimated - reported| / reported prompt tokens (0-1 is 0-100%).",
                                         buckets=_ERROR, registry=r)
         self.bytes_per_token = Gauge(p + "bytes_per_token", "Calibrated prompt bytes per token.", registry=r)
+        self.can_slice = Gauge(p + "upstream_can_slice",
+                               "1 when the upstream caches prefixes and answers /tokenize (slicing possible).",
+                               ["upstream"], registry=r)
+        self.slices = Counter(p + "slices_total", "Slices sent to warm an upstream's prefix cache.",
+                              ["upstream"], registry=r)
+        self.slice_tokens = Counter(p + "slice_tokens_total", "Prompt tokens covered by slicing, per prompt.",
+                                    ["upstream"], registry=r)
+        self.slicing_seconds = Histogram(p + "slicing_seconds", "Time a prompt spent being sliced.",
+                                         buckets=_WAIT, registry=r)
+        self.slice_misses = Counter(
+            p + "slice_cache_miss_tokens_total",
+            "Sliced prompt tokens the upstream did not serve from its cache to the final request "
+            "(usage.prompt_tokens_details.cached_tokens; vLLM --enable-prompt-tokens-details).",
+            ["upstream"], registry=r)
 
         for c in CLASSES:
             for o in OUTCOMES:
@@ -87,7 +102,7 @@ class Metrics:
             self.queue_wait.labels(d)
         for u in upstreams:
             for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up,
-                      self.budget_tokens):
+                      self.budget_tokens, self.can_slice, self.slices, self.slice_tokens, self.slice_misses):
                 g.labels(u)
             self.retries.labels(u)
             for k in ERROR_KINDS:

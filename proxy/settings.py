@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "PREFILL_GATE_"
 
@@ -64,6 +64,23 @@ class Settings(BaseModel):
     closed_loop_step_tokens: int = Field(
         8192, ge=1, description="Closed loop: budget added per 1 s window whose p95 gap met the SLO."
     )
+    slicing: Literal["off", "on", "auto"] = Field(
+        "off",
+        description="Sliced prefill for stock engines: warm the upstream's prefix cache with growing "
+        "prefixes of a large prompt (small requests, one at a time) instead of holding it while "
+        "protected streams are live. on: slice whenever it would hold; auto: slice when that is "
+        "predicted to finish the prompt sooner than holding and to keep max_gap_ms; off: hold.",
+    )
+    slice_gap_ms: float = Field(
+        30.0, gt=0, description="Slicing: the protected streams' largest gap the slice size aims at."
+    )
+    max_gap_ms: float = Field(
+        50.0, gt=0,
+        description="Slicing auto: the worst protected gap accepted; an upstream where even the "
+        "smallest slice exceeds it is held for 30 s.",
+    )
+    min_slice_tokens: int = Field(256, ge=1, description="Slicing: the smallest slice (rounded up to a KV block).")
+    max_slice_tokens: int = Field(4096, ge=1, description="Slicing: the largest slice.")
     sse_keepalive: float = Field(
         0.0, ge=0,
         description="Seconds between SSE comment lines (queue position, estimated wait) sent to a "
@@ -123,6 +140,16 @@ class Settings(BaseModel):
     # --- the embedded simulator and logs ---------------------------------------
     sim_preset: str = Field("h200-qwen3-8b", description="Simulator preset when no upstream is given.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @model_validator(mode="after")
+    def _check_slicing(self) -> "Settings":
+        if self.min_slice_tokens > self.max_slice_tokens:
+            raise ValueError(f"min_slice_tokens ({self.min_slice_tokens}) is above max_slice_tokens "
+                             f"({self.max_slice_tokens})")
+        if self.slice_gap_ms > self.max_gap_ms:
+            raise ValueError(f"slice_gap_ms ({self.slice_gap_ms:g}) is above max_gap_ms ({self.max_gap_ms:g}): "
+                             "slices sized to it would break the promise")
+        return self
 
     @field_validator("upstreams")
     @classmethod

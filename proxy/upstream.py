@@ -8,6 +8,7 @@ configured base URL and a path that the app's routes allow.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -112,6 +113,29 @@ class UpstreamClient:
             yield resp
         finally:
             await resp.aclose()
+
+    async def request_bytes(self, upstream: str, method: str, path: str, content: bytes = b"", *,
+                            limit: int, timeout: float) -> tuple[int, bytes]:
+        """One small request of the proxy's own (probes, token ids, slices), its answer read
+        whole: (status, body). A body over ``limit`` bytes or an answer slower than
+        ``timeout`` seconds is an UpstreamProtocolError / UpstreamTimeout."""
+        headers = {"content-type": "application/json"} if content else {}
+
+        async def exchange() -> tuple[int, bytes]:
+            async with self.stream(upstream, method, path, headers, content) as resp:
+                chunks, size = [], 0
+                with mapped_errors(upstream):
+                    async for chunk in resp.aiter_raw():
+                        size += len(chunk)
+                        if size > limit:
+                            raise UpstreamProtocolError(f"upstream {upstream}{path} answered over {limit} bytes")
+                        chunks.append(chunk)
+                return resp.status_code, b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(exchange(), timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"upstream {upstream}{path} did not answer within {timeout:g} s") from None
 
     async def post_json(self, upstream: str, path: str, payload: dict, timeout: float | None = None) -> dict:
         with mapped_errors(upstream):

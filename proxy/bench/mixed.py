@@ -37,6 +37,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -251,6 +252,7 @@ def summarize(records: list[Record], seconds: float, slo: SLO, long_alone_s: flo
         "tpot_ms_p99": percentile(tpot_ms, 99),
         "no_stream_share": no_stream_share(records, 0.0, seconds),
         "gap_hist": _hist(gaps_ms),
+        "ttft_ms_all": sorted(round(t, 2) for t in ttft_ms),
         **goodput(records, slo, seconds, scale),
     }
     if longs:
@@ -262,6 +264,7 @@ def summarize(records: list[Record], seconds: float, slo: SLO, long_alone_s: flo
             "long_ttft_s_p90": percentile(long_ttft, 90),
             "long_ttft_s_max": max(long_ttft, default=float("nan")),
             "long_total_s_p50": percentile([r.e2el / scale for r in longs if r.ok], 50),
+            "long_ttft_s_all": sorted(round(t, 4) for t in long_ttft),
         })
         if long_alone_s:
             out.update({
@@ -430,7 +433,6 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
     }
     b, m = result["baseline"], result["mixed"]
     result["mixed"]["itl_p99_x_baseline"] = m["itl_ms_p99"] / b["itl_ms_p99"] if b["itl_ms_p99"] else float("nan")
-    result["_records"] = {"baseline": base_records, "mixed": mixed_records}  # for the plot; not written
     return result
 
 
@@ -513,17 +515,22 @@ def rows(result: dict) -> tuple[list[dict], list[dict]]:
     return mixed_rows, base_rows
 
 
-def strip_records(result: dict) -> dict:
-    """The result without the in-memory traces (what goes into the JSON)."""
-    out = dict(result)
-    out["endpoints"] = [{**ep, "runs": [{k: v for k, v in r.items() if k != "_records"} for r in ep["runs"]]}
-                        for ep in result["endpoints"]]
-    return out
+def _ccdf_from_hist(counts: list[int]) -> tuple[list[float], list[float]]:
+    """(x, share of gaps longer than x) at each histogram edge that has gaps above it."""
+    total = sum(counts)
+    xs, ys, above = [], [], total
+    for edge, n in zip(HIST_EDGES_MS, counts):
+        above -= n
+        if above <= 0:
+            break
+        xs.append(edge)
+        ys.append(above / total)
+    return xs, ys
 
 
-def plot_mixed(result: dict, path: str, time_scale: float = 1.0) -> None:
-    """Per endpoint: interactive gaps (share longer than x), interactive TTFTs and long
-    TTFTs (CDFs), on shared axes, from the first seed's records."""
+def plot_mixed(result: dict, path: str) -> None:
+    """Per endpoint (its first seed): interactive gaps (share longer than x, from the gap
+    histogram), interactive TTFTs and long TTFTs (CDFs), on shared axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -531,17 +538,13 @@ def plot_mixed(result: dict, path: str, time_scale: float = 1.0) -> None:
 
     fig, (ax_gap, ax_ttft, ax_long) = plt.subplots(1, 3, figsize=(15, 4.4))
     for ep in result["endpoints"]:
-        recs = ep["runs"][0]["_records"]["mixed"]
-        inter = [r for r in recs if r.cls == "interactive" and r.ok]
-        gaps = sorted(g / time_scale * 1e3 for r in inter for g in r.gaps())
-        ttfts = sorted(r.ttft / time_scale * 1e3 for r in inter)
-        longs = sorted(r.ttft / time_scale for r in recs if r.cls == "long" and r.ok)
-        if gaps:
-            n = len(gaps)
-            ax_gap.step(gaps, [1 - (i + 1) / n + 1 / (2 * n) for i in range(n)], where="post", label=ep["label"])
-        for ax, xs in ((ax_ttft, ttfts), (ax_long, longs)):
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=ep["label"])
+        m = ep["runs"][0]["mixed"]
+        xs, ys = _ccdf_from_hist(m["gap_hist"])
+        if xs:
+            ax_gap.step(xs, ys, where="post", label=ep["label"])
+        for ax, vals in ((ax_ttft, m["ttft_ms_all"]), (ax_long, m.get("long_ttft_s_all") or [])):
+            if vals:
+                ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post", label=ep["label"])
     ax_gap.set(xscale="log", yscale="log", xlabel="gap between two tokens of a streaming answer (ms)",
                ylabel="share of gaps longer than x", title="Live streams: how often they stall")
     ax_ttft.set(xscale="log", xlabel="time to first token (ms)", ylabel="share of requests",
@@ -557,15 +560,32 @@ def plot_mixed(result: dict, path: str, time_scale: float = 1.0) -> None:
                  f"prompts) + a {s['long_prompt']:,}-token prompt every ~{s['long_every']:g} s, "
                  f"{s['duration']:g} s per endpoint", fontsize=10)
     fig.tight_layout()
-    from pathlib import Path
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def merge(results: list[dict]) -> dict:
+    """Several runs of the bench (one endpoint each, say, with a server retuned between
+    them) as one result; they must share the shape and the seeds."""
+    first = results[0]
+    for r in results[1:]:
+        if r["shape"] != first["shape"] or r["seeds"] != first["seeds"] or r["slo"] != first["slo"]:
+            raise ValueError("the results differ in shape, seeds or SLOs: they are not one comparison")
+    return {**first, "endpoints": [ep for r in results for ep in r["endpoints"]],
+            "parts": [{k: r.get(k) for k in ("command", "git_commit", "git_dirty")} for r in results]}
+
+
+def report(result: dict) -> str:
+    from .report import table
+
+    mixed_rows, base_rows = rows(result)
+    return ("steady load (interactive users + long prompts):\n" + table(mixed_rows, MIXED_COLUMNS)
+            + "\n\nsame-run baselines (the users alone; the long prompt alone):\n" + table(base_rows, BASELINE_COLUMNS))
+
+
 def main(args) -> int:
-    from .report import environment, table, write_json
+    from .report import environment, write_json
 
     labels = args.label or []
     if labels and len(labels) != len(args.base_url):
@@ -590,18 +610,33 @@ def main(args) -> int:
     except (RuntimeError, httpx.HTTPError, OSError) as exc:
         print(f"prefill-gate bench mixed: {exc}", file=sys.stderr)
         return 1
-    mixed_rows, base_rows = rows(result)
-    print("steady load (interactive users + long prompts):")
-    print(table(mixed_rows, MIXED_COLUMNS))
-    print("\nsame-run baselines (the users alone; the long prompt alone):")
-    print(table(base_rows, BASELINE_COLUMNS))
-    record = {**strip_records(result), **environment()}
+    print(report(result))
+    record = {**result, **environment()}
     if args.json:
         write_json(args.json, record)
         print(f"\nwrote {args.json}")
     if args.plot:
-        plot_mixed(result, args.plot, args.time_scale)
+        plot_mixed(record, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def main_report(args) -> int:
+    """``bench mixed-report F.json ...``: the tables of saved results, merged and plotted."""
+    import json as _json
+
+    from .report import write_json
+
+    try:
+        result = merge([_json.loads(Path(f).read_text()) for f in args.files])
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"prefill-gate bench mixed-report: {exc}", file=sys.stderr)
+        return 2
+    print(report(result))
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        plot_mixed(result, args.plot)
     return 0
 
 

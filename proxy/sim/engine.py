@@ -42,8 +42,10 @@ class CostModel:
     attention: float = 0.0
     decode_kv: float = 0.0
     jitter: float = 0.0  # sigma of log(step time)
-    frontend_per_token: float = 0.0  # delay before a prompt reaches the engine (the front end's work)
-    arrival_per_token: float = 0.0  # engine stall when a prompt arrives (added to the next step)
+    frontend_per_token: float = 0.0  # delay before a text prompt reaches the engine (the front end's work)
+    arrival_per_token: float = 0.0  # engine stall when a text prompt arrives (added to the next step)
+    frontend_per_id: float = 0.0  # the same two for a prompt given as token ids (no tokenizer on
+    arrival_per_id: float = 0.0  # the way; what remains is parsing, hashing and bookkeeping)
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
@@ -57,7 +59,8 @@ class CostModel:
     def scaled(self, factor: float) -> "CostModel":
         return CostModel(self.base * factor, self.mixed * factor, self.per_decode_row * factor,
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
-                         self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor)
+                         self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor,
+                         self.frontend_per_id * factor, self.arrival_per_id * factor)
 
 
 @dataclass(frozen=True)
@@ -168,13 +171,14 @@ class Engine:
         self.on_token: Callable[[SimRequest, float, bool], None] | None = None
 
     # ------------------------------------------------------------------ intake
-    def add(self, req: SimRequest) -> SimRequest:
+    def add(self, req: SimRequest, token_ids: bool = False) -> SimRequest:
+        """``token_ids``: the prompt came as ids (its arrival costs the engine less)."""
         req.id = next(self._ids)
         req.arrived = time.monotonic()
         if self.config.enable_prefix_caching:
             req.block_hashes = block_hashes(req.prompt, self.config.block_size)
         self.waiting.append(req)
-        self._stall += self.cost.arrival_per_token * req.prompt_len
+        self._stall += (self.cost.arrival_per_id if token_ids else self.cost.arrival_per_token) * req.prompt_len
         if self._wakeup is not None:
             self._wakeup.set()
         return req

@@ -176,6 +176,9 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
                     ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry)
     kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", ["model_name"],
                      registry=registry)
+    cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                       ["block_size", "enable_prefix_caching", "engine"], registry=registry)
+    cache_info.labels(str(engine.config.block_size), str(engine.config.enable_prefix_caching), "0").set(1)
     kv_capacity = engine.config.prefix_cache_blocks * engine.config.block_size
     kv_usage.labels(**labels).set_function(
         lambda: min(1.0, sum(r.num_computed + r.num_output for r in engine.running) / kv_capacity))
@@ -218,8 +221,11 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
             return _error(400, "max_tokens must be a positive integer", "max_tokens")
         if len(prompt) + max_tokens > max_model_len:
             return _error(400, f"prompt ({len(prompt)} tokens) + max_tokens exceeds max_model_len {max_model_len}")
-        await asyncio.sleep(engine.cost.frontend_per_token * len(prompt))  # the front end's share
-        req = engine.add(SimRequest(prompt, max_tokens, events=asyncio.Queue()))
+        ids = not chat and isinstance(body.get("prompt"), list) and bool(body["prompt"]) \
+            and isinstance(body["prompt"][0], int)
+        per = engine.cost.frontend_per_id if ids else engine.cost.frontend_per_token
+        await asyncio.sleep(per * len(prompt))  # the front end's share
+        req = engine.add(SimRequest(prompt, max_tokens, events=asyncio.Queue()), token_ids=ids)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         render = _Render(chat, body.get("model") or model, req, engine.rng, include_usage)
         return _EngineResponse(engine, req, render, stream=bool(body.get("stream")))

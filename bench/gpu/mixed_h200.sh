@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Steady load (`prefill-gate bench mixed`) on real vLLM 0.26.0: every way of serving it,
+# side by side, in one run (over several calls of one warm machine if need be).
+#
+# On the GPU machine, after the recipe's chunk-only first run:
+#   source .gpu/device_setup.sh setup && WORK=/root/mixed ROWS="direct hold" bash bench/gpu/mixed_h200.sh "$OUT"
+#   (next call, servers still up)        WORK=/root/mixed ROWS="slice-on ..." bash bench/gpu/mixed_h200.sh "$OUT"
+# Here, against simulators (a paced simulator per short-first setting):
+#   DRY_RUN=1 TIME_SCALE=1 bash bench/gpu/mixed_h200.sh out/mixed-sim
+#
+# Two vLLM servers (started once; they stay up between calls, started with setsid):
+#   stock   --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+#   paced   the same + PacedAsyncScheduler, adaptive 15 ms, full CUDA graphs; its pacing
+#           settings switch between rows through PREFILL_GATE_PACING_CONTROL_FILE
+# Rows (ROWS, in order; default all):
+#   direct       stock vLLM
+#   hold         prefill-gate, default settings (holds long prompts) -> stock
+#   slice-on     prefill-gate --slicing on -> stock
+#   slice-auto   prefill-gate --slicing auto -> stock
+#   paced        the paced server, short-first off (SHORT_TOKENS=0): plain pacing
+#   paced-short  the paced server, short-first on (the default, 1024)
+#   loop         prefill-gate --itl-slo-ms 20 -> the paced server, short-first on
+#   frontier     the seed pair (bench overlap, A alone too) through prefill-gate slicing at
+#                fixed sizes 256, 512, 1024 and with feedback; the paced server's seed pair
+#                with short-first off and on
+# Each row: `bench mixed` with the same seed (the same schedule), DURATION s of steady load
+# after BASELINE s of the users alone. Results accumulate in WORK; OUT gets mixed.tar.gz,
+# the merged mixed.json / mixed.png and the table, each call.
+set -u
+OUT=${1:-out/mixed}
+MODEL=${MODEL:-.gpu/model-qwen3-8b}
+UTIL=${UTIL:-0.2}
+KV_BYTES=${KV_BYTES:-17179869184}  # 16 GiB each: 12 users + several 20k prompts at once
+DURATION=${DURATION:-60}
+BASELINE=${BASELINE:-20}
+SEED=${SEED:-0}
+TIME_SCALE=${TIME_SCALE:-1}
+ROWS=${ROWS:-direct hold slice-on slice-auto paced paced-short loop frontier}
+WORK=${WORK:-$OUT}
+RUNS=1
+mkdir -p "$OUT" "$WORK/res"
+RES=$(cd "$WORK/res" && pwd)
+source bench/gpu/lib.sh
+STOCK=8001 PACED=8002 PACED0=8003  # PACED0: the dry run's paced simulator without short-first
+WAIT=$(python3 -c "print(30 * $TIME_SCALE)")  # the proxy's max_queue_wait, in the engine's time
+
+up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
+
+start_servers() {
+  if up $STOCK; then say "servers already up"; return; fi
+  gpu_info
+  echo "PREFILL_GATE_PACING=adaptive
+PREFILL_GATE_PACING_TARGET_ITL_MS=15
+PREFILL_GATE_PACING_CAP_TOKENS=256" > "$RES/control-paced.env"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    start_server stock $STOCK --time-scale "$TIME_SCALE"
+    start_server paced $PACED --time-scale "$TIME_SCALE" --pacing-cap 256
+    start_server paced0 $PACED0 --time-scale "$TIME_SCALE" --pacing-cap 256 --pacing-short-tokens 0
+  else
+    start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+    sleep 12
+    PREFILL_GATE_PACING_LOG_INTERVAL_S=5 PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-paced.env \
+      start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
+      --scheduler-cls engine_patches.pacing.PacedAsyncScheduler --compilation-config '{"cudagraph_mode":"FULL"}'
+  fi
+  for port in $STOCK $PACED; do
+    wait_health $port 420 || { say "server on :$port did not come up"; tail -30 "$RES"/server-*.log; exit 1; }
+  done
+  say "servers healthy"
+}
+
+short_first() {  # on|off: the paced vLLM server's short-first rule, through its control file
+  [ "${DRY_RUN:-0}" = 1 ] && return
+  local n=1024; [ "$1" = off ] && n=0
+  printf 'PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=15\nPREFILL_GATE_PACING_CAP_TOKENS=256\nPREFILL_GATE_PACING_SHORT_TOKENS=%s\n' \
+    "$n" > "$RES/control-paced.env.tmp" && mv "$RES/control-paced.env.tmp" "$RES/control-paced.env"
+  sleep 1
+}
+
+proxy_up() {  # port upstream-port args...: a prefill-gate in front of a server
+  local port=$1 upstream=$2; shift 2
+  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" --log-level warning \
+    --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
+  PIDS+=($!)
+  wait_health "$port" 60 "$!"
+}
+
+proxy_down() {  # port: its /metrics kept, then stopped
+  curl -s "http://127.0.0.1:$1/metrics" > "$RES/proxy-metrics-$1.txt"
+  pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1
+}
+
+mixed() {  # label url
+  say "bench mixed $1 -> $2"
+  python3 -m proxy bench mixed --base-url "$2" --label "$1" --model m --seed "$SEED" --duration "$DURATION" \
+    --baseline-duration "$BASELINE" --time-scale "$TIME_SCALE" --json "$RES/mixed-$1.json" 2>&1 \
+    | grep -v '^\[mixed\]' | tee -a "$RES/bench.log"
+}
+
+row() {
+  case $1 in
+    direct) mixed direct http://127.0.0.1:$STOCK ;;
+    hold) proxy_up 8090 $STOCK && mixed hold http://127.0.0.1:8090; proxy_down 8090 ;;
+    slice-on) proxy_up 8091 $STOCK --slicing on && mixed slice-on http://127.0.0.1:8091; proxy_down 8091 ;;
+    slice-auto) proxy_up 8092 $STOCK --slicing auto && mixed slice-auto http://127.0.0.1:8092; proxy_down 8092 ;;
+    paced)
+      if [ "${DRY_RUN:-0}" = 1 ]; then mixed paced http://127.0.0.1:$PACED0
+      else short_first off; mixed paced http://127.0.0.1:$PACED; fi ;;
+    paced-short) short_first on; mixed paced-short http://127.0.0.1:$PACED ;;
+    loop) short_first on; proxy_up 8093 $PACED --itl-slo-ms 20 && mixed loop http://127.0.0.1:8093; proxy_down 8093 ;;
+    frontier)
+      for size in 256 512 1024; do
+        proxy_up 8094 $STOCK --slicing on --min-slice-tokens $size --max-slice-tokens $size \
+          && bench "pair-slice-$size" http://127.0.0.1:8094
+        proxy_down 8094
+      done
+      proxy_up 8094 $STOCK --slicing on && bench pair-slice-feedback http://127.0.0.1:8094; proxy_down 8094
+      proxy_up 8094 $STOCK && bench pair-hold http://127.0.0.1:8094; proxy_down 8094
+      bench pair-direct http://127.0.0.1:$STOCK
+      if [ "${DRY_RUN:-0}" = 1 ]; then bench pair-paced http://127.0.0.1:$PACED0
+      else short_first off; bench pair-paced http://127.0.0.1:$PACED; fi
+      short_first on; bench pair-paced-short http://127.0.0.1:$PACED ;;
+    *) say "unknown row $1" ;;
+  esac
+}
+
+[ "${KEEP:-1}" = 1 ] || trap cleanup EXIT
+start_servers
+for r in $ROWS; do row "$r"; done
+
+python3 -m proxy bench mixed-report $(ls "$RES"/mixed-*.json | sort) --json "$OUT/mixed.json" --plot "$OUT/mixed.png" \
+  > "$OUT/mixed-table.txt" 2>&1 || true
+cat "$OUT/mixed-table.txt"
+grep -h "prefill-gate pacing" "$RES"/server-paced.log 2>/dev/null | tail -20 > "$RES/pacing-decisions.log"
+tar czf "$OUT/mixed.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
+tail -c 2000000 "$RES"/server-stock.log > "$OUT/server-stock-tail.log" 2>/dev/null
+say "done"

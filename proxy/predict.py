@@ -1,0 +1,192 @@
+"""What the proxy learns per upstream to choose between holding and slicing a long prompt.
+
+Pure state with an injected clock, fed by the exchanges (stream starts and ends, the
+gaps of protected streams, slices and whole prefills as they finish) and read by the
+admission policy's chooser in ``slicing: auto``:
+
+    hold:   wait until no protected stream is live, then prefill the prompt alone. The
+            wait is the longer of: the live streams' end (each one's remaining tokens x
+            the decode gap; remaining from its max_tokens and, once enough answers have
+            ended, the distribution of this model's streamed lengths), and the expected
+            busy period of the streams still to come: with streams starting at rate L
+            and lasting D on average, an upstream seen as an M/G/inf queue is busy for
+            (exp(L D) - 1) / L at a stretch. Under steady load (L D of a few) that is
+            far beyond the wait bound: holding would wait for the bound, not a quiet moment.
+    slice:  the prompt's tokens at the rate slicing has reached on this upstream.
+
+Slice when slicing is predicted to finish first and it keeps the gap promise
+(``max_gap_ms``): a slicer that ran at its smallest size and still saw a protected gap
+over the promise disqualifies itself there for ``PROMISE_COOLDOWN_S``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .slicer import SliceSizer
+
+# Priors, from the H200 measurements (docs/RESULTS.md): a decode gap, what slicing and a
+# whole prefill reach in prompt tokens per second; measured values replace them.
+PRIOR_GAP_S = 0.01
+PRIOR_SLICE_TOKENS_PER_S = 12_000.0
+PRIOR_PREFILL_TOKENS_PER_S = 25_000.0
+EWMA = 0.2
+LENGTHS_KEPT = 512  # streamed lengths remembered per model
+MIN_LENGTHS = 20  # before this many, a stream's remaining length comes from max_tokens alone
+UNKNOWN_REMAINING = 256  # no max_tokens, no history: assume this many tokens remain
+MAX_LOAD = 50.0  # L x D beyond this: exp() would only say "forever" at more cost
+PROMISE_COOLDOWN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    slice: bool
+    hold_s: float  # predicted wait before holding would admit it (inf: not before the bound)
+    finish_hold_s: float
+    finish_slice_s: float
+    reason: str
+
+
+@dataclass
+class _Stream:
+    max_tokens: int | None
+    model: str
+    progress: Callable[[], int]
+    started: float
+
+
+@dataclass
+class _Upstream:
+    gap_s: float = PRIOR_GAP_S
+    slice_rate: float = PRIOR_SLICE_TOKENS_PER_S
+    prefill_rate: float = PRIOR_PREFILL_TOKENS_PER_S
+    start_interval_s: float = math.inf
+    last_start: float | None = None
+    duration_s: float = 0.0  # how long a protected stream lasts, on average (0: none ended yet)
+    streams: dict[int, _Stream] = field(default_factory=dict)
+    window: float | None = None  # the largest protected gap since window_start (None: none yet)
+    windowing: bool = False
+    broken_until: float = -math.inf
+    sizer: SliceSizer | None = None
+
+
+class Predictor:
+    def __init__(self, upstreams, *, slice_gap_s: float, max_gap_s: float, min_slice_tokens: int,
+                 max_slice_tokens: int, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.max_gap_s = max_gap_s
+        self._ups = {u: _Upstream(sizer=SliceSizer(slice_gap_s, min_slice_tokens, max_slice_tokens,
+                                                   tokens=max(min_slice_tokens, min(512, max_slice_tokens))))
+                     for u in upstreams}
+        self._lengths: dict[str, deque[int]] = {}
+        self._sorted: dict[str, list[int]] = {}
+
+    def sizer(self, upstream: str) -> SliceSizer:
+        return self._ups[upstream].sizer
+
+    # ------------------------------------------------------------------ streams
+    def stream_started(self, upstream: str, key: int, max_tokens: int | None, model: str,
+                       progress: Callable[[], int]) -> None:
+        up = self._ups[upstream]
+        now = self.clock()
+        if up.last_start is not None:
+            dt = now - up.last_start
+            up.start_interval_s = dt if math.isinf(up.start_interval_s) else (
+                up.start_interval_s + EWMA * (dt - up.start_interval_s))
+        up.last_start = now
+        up.streams[key] = _Stream(max_tokens, model, progress, now)
+
+    def stream_ended(self, upstream: str, key: int, streamed: int, finished: bool) -> None:
+        """``finished``: the answer ended by itself (its length says something about the
+        model's answers), not by an error or a client that left."""
+        up = self._ups[upstream]
+        stream = up.streams.pop(key, None)
+        if stream is None or not finished or streamed <= 0:
+            return
+        took = self.clock() - stream.started
+        up.duration_s = took if up.duration_s == 0 else up.duration_s + EWMA * (took - up.duration_s)
+        kept = self._lengths.setdefault(stream.model, deque(maxlen=LENGTHS_KEPT))
+        kept.append(streamed)
+        self._sorted.pop(stream.model, None)
+
+    def gap(self, upstream: str, seconds: float) -> None:
+        """A gap between two chunks of a protected stream (the per-chunk path: O(1))."""
+        up = self._ups[upstream]
+        up.gap_s += EWMA * 0.1 * (seconds - up.gap_s)
+        if up.windowing and (up.window is None or seconds > up.window):
+            up.window = seconds
+
+    def live(self, upstream: str) -> int:
+        return len(self._ups[upstream].streams)
+
+    # ------------------------------------------------------------------ slicing
+    def window_start(self, upstream: str) -> None:
+        up = self._ups[upstream]
+        up.window, up.windowing = None, True
+
+    def window_max(self, upstream: str) -> float | None:
+        up = self._ups[upstream]
+        up.windowing = False
+        sizer = up.sizer
+        if up.window is not None and up.window > self.max_gap_s and sizer.tokens <= sizer.min_tokens:
+            up.broken_until = self.clock() + PROMISE_COOLDOWN_S  # even the smallest slice stalls
+        return up.window
+
+    def slice_done(self, upstream: str, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            up = self._ups[upstream]
+            up.slice_rate += EWMA * (tokens / seconds - up.slice_rate)
+
+    def prefill_done(self, upstream: str, tokens: int, seconds: float) -> None:
+        """A large prefill that ran whole with no protected stream live: the alone rate."""
+        if tokens > 0 and seconds > 0:
+            up = self._ups[upstream]
+            up.prefill_rate += EWMA * (tokens / seconds - up.prefill_rate)
+
+    # ------------------------------------------------------------------- choice
+    def remaining_tokens(self, stream: _Stream) -> float:
+        done = stream.progress()
+        cap = None if stream.max_tokens is None else max(0, stream.max_tokens - done)
+        lengths = self._lengths.get(stream.model)
+        if lengths is not None and len(lengths) >= MIN_LENGTHS:
+            ranked = self._sorted.get(stream.model)
+            if ranked is None:
+                ranked = self._sorted[stream.model] = sorted(lengths)
+            longer = ranked[bisect.bisect_right(ranked, done):]
+            # the median of what answers longer than this one went on for; none so long: a few
+            guess = longer[len(longer) // 2] - done if longer else max(1, done // 10)
+            return guess if cap is None else min(cap, guess)
+        return cap if cap is not None else max(UNKNOWN_REMAINING, done)
+
+    def choose(self, upstream: str, tokens: int) -> Choice:
+        up = self._ups[upstream]
+        now = self.clock()
+        alone_s = tokens / up.prefill_rate
+        slice_s = tokens / up.slice_rate
+        if now < up.broken_until:
+            return Choice(False, math.nan, math.nan, slice_s, "slicing broke the gap promise here recently")
+        if not up.streams:
+            return Choice(False, 0.0, alone_s, slice_s, "no protected stream live")
+        live_end_s = max(self.remaining_tokens(s) for s in up.streams.values()) * up.gap_s
+        hold_s = max(live_end_s, self.busy_period_s(upstream))
+        finish_hold = hold_s + alone_s
+        if slice_s < finish_hold:
+            why = "slicing finishes first" if hold_s == live_end_s else \
+                f"streams keep coming (busy ~{hold_s:.1f} s at a stretch): slicing finishes first"
+            return Choice(True, hold_s, finish_hold, slice_s, why)
+        return Choice(False, hold_s, finish_hold, slice_s, "the live streams end first")
+
+    def busy_period_s(self, upstream: str) -> float:
+        """The expected stretch with at least one protected stream live, from the recent
+        start rate and stream duration (an M/G/inf queue's busy period)."""
+        up = self._ups[upstream]
+        if math.isinf(up.start_interval_s) or up.duration_s <= 0 or up.last_start is None:
+            return 0.0
+        interval = max(up.start_interval_s, self.clock() - up.last_start, 1e-3)
+        load = min(MAX_LOAD, up.duration_s / interval)
+        return (math.exp(load) - 1) * interval

@@ -1,0 +1,106 @@
+"""Slicing auto's rule on a fake clock: hold when the live streams end first, slice otherwise."""
+
+import pytest
+
+from proxy.predict import PRIOR_GAP_S, PROMISE_COOLDOWN_S, Predictor
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def predictor(clock=None):
+    return Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                     clock=clock or Clock())
+
+
+def stream(p, key, max_tokens, done, model="m"):
+    state = {"n": done}
+    p.stream_started("u", key, max_tokens, model, lambda: state["n"])
+    return state
+
+
+def test_nothing_live_means_admit_whole_not_slice():
+    c = predictor().choose("u", 20_000)
+    assert not c.slice and c.hold_s == 0
+
+
+def test_streams_about_to_end_are_waited_for():
+    p = predictor()
+    stream(p, 1, max_tokens=100, done=90)
+    c = p.choose("u", 20_000)
+    assert c.hold_s == pytest.approx(10 * PRIOR_GAP_S)
+    assert not c.slice and c.reason == "the live streams end first"
+
+
+def test_a_long_answer_still_streaming_is_not_waited_for():
+    p = predictor()
+    stream(p, 1, max_tokens=2000, done=10)
+    c = p.choose("u", 20_000)
+    assert c.slice and c.finish_slice_s < c.finish_hold_s
+
+
+@pytest.mark.parametrize("every,slices", [(0.1, True), (2.0, False)])
+def test_steady_new_streams_mean_no_quiet_moment(every, slices):
+    """Streams lasting 0.5 s: one every 0.1 s keeps ~5 live (busy for (e^5 - 1) x 0.1 s at
+    a stretch, ~15 s: slice); one every 2 s leaves the upstream quiet most of the time
+    (busy ~0.6 s at a stretch: hold)."""
+    clock = Clock()
+    p = predictor(clock)
+    live, key = [], 0
+    for tick in range(int(8 / 0.05)):  # 8 s in 50 ms ticks
+        for t, k in list(live):
+            if clock.t - t >= 0.5 - 1e-9:
+                p.stream_ended("u", k, 50, finished=True)
+                live.remove((t, k))
+        if tick % round(every / 0.05) == 0:
+            stream(p, key, max_tokens=50, done=45)
+            live.append((clock.t, key))
+            key += 1
+        clock.t += 0.05
+    stream(p, key, max_tokens=50, done=45)  # a stream is live when the long prompt arrives
+    c = p.choose("u", 20_000)
+    assert c.slice is slices
+    assert (c.hold_s > 10) is slices
+
+
+def test_remaining_length_comes_from_finished_answers_when_there_is_no_max_tokens():
+    p = predictor()
+    for key in range(30):  # this model's answers end near 100 tokens
+        stream(p, 100 + key, None, 0)
+        p.stream_ended("u", 100 + key, 95 + key % 10, finished=True)
+    s = stream(p, 1, max_tokens=None, done=90)
+    c = p.choose("u", 20_000)
+    assert c.hold_s < 0.15 and not c.slice
+    s["n"] = 10  # early in its answer: ~90 to go
+    assert p.choose("u", 20_000).hold_s == pytest.approx(90 * PRIOR_GAP_S, rel=0.1)
+    p.stream_ended("u", 1, 3, finished=False)  # an aborted stream says nothing about lengths
+    assert len(p._lengths["m"]) == 30
+
+
+def test_an_upstream_where_even_the_smallest_slice_stalls_is_held_for_a_while():
+    clock = Clock()
+    p = predictor(clock)
+    stream(p, 1, max_tokens=5000, done=10)
+    assert p.choose("u", 20_000).slice
+    p.sizer("u").tokens = 256  # at its smallest
+    p.window_start("u")
+    p.gap("u", 0.080)  # over the 50 ms promise
+    assert p.window_max("u") == pytest.approx(0.080)
+    c = p.choose("u", 20_000)
+    assert not c.slice and "promise" in c.reason
+    clock.t += PROMISE_COOLDOWN_S + 1
+    assert p.choose("u", 20_000).slice
+
+
+def test_measured_rates_replace_the_priors():
+    p = predictor()
+    stream(p, 1, max_tokens=5000, done=10)
+    for _ in range(50):
+        p.slice_done("u", 10_000, 2.0)  # 5k tokens/s
+        p.prefill_done("u", 20_000, 0.5)  # 40k tokens/s
+    c = p.choose("u", 20_000)
+    assert c.finish_slice_s == pytest.approx(4.0, rel=0.01)

@@ -1,0 +1,318 @@
+"""Sliced prefill: the payloads, the slices, the policy's slicing phase, and the whole path
+against the simulator on real sockets (a disconnect mid-slicing, the fallbacks to holding)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from conftest import CHAT, chat, hold_stream, proxy_client, sample, serve
+from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Slicing, Ticket
+from proxy.app import build_state, create_app, probe_capabilities
+from proxy.capabilities import Capabilities, parse_cache_config
+from proxy.settings import load_settings
+from proxy.sim.engine import CostModel, Engine, EngineConfig
+from proxy.sim.server import create_sim_app, render_chat
+from proxy.slicer import IdPrefixes, SliceSizer, run_slices, tokenize_payload
+from test_disconnect import start_b, until
+
+
+# ------------------------------------------------------------------ what to slice
+def test_chat_payload_renders_as_vllms_chat_endpoint_would():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"x": 1}, "documents": [{"text": "d"}], "reasoning_effort": "low",
+            "stream": True, "max_tokens": 5}
+    p = tokenize_payload(body, "chat")
+    assert p["messages"] is body["messages"] and p["tools"] == body["tools"] and p["model"] == "m"
+    assert p["add_generation_prompt"] is True and p["continue_final_message"] is False
+    assert p["add_special_tokens"] is False
+    # What /tokenize cannot take travels in the template's arguments, as chat merges them.
+    assert p["chat_template_kwargs"] == {"x": 1, "documents": [{"text": "d"}], "reasoning_effort": "low",
+                                         "enable_thinking": True}
+    assert "stream" not in p and "max_tokens" not in p
+    # The client's own enable_thinking wins, as in vLLM; "auto" is not passed on.
+    p = tokenize_payload({**body, "reasoning_effort": "auto", "chat_template_kwargs": {"enable_thinking": False}},
+                         "chat")
+    assert p["chat_template_kwargs"] == {"enable_thinking": False, "documents": [{"text": "d"}]}
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
+    {"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 100},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": "none"},
+    {"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"a": 1}},
+])
+def test_what_tokenize_cannot_express_is_not_sliced(body):
+    assert tokenize_payload(body, "chat") is None
+
+
+def test_completions_payloads():
+    assert tokenize_payload({"prompt": [5, 6, 7]}, "completions") == {"ids": [5, 6, 7]}
+    assert tokenize_payload({"model": "m", "prompt": "abc"}, "completions") == {
+        "model": "m", "prompt": "abc", "add_special_tokens": True}
+    assert tokenize_payload({"prompt": ["a", "b"]}, "completions") is None
+    assert tokenize_payload({"prompt": [[1, 2], [3]]}, "completions") is None
+
+
+# ---------------------------------------------------------------------- the slices
+def test_id_prefixes_are_the_json_of_each_block_prefix():
+    ids = [7, 123456, 0, 42, 9, 10, 11, 99999, 1, 2, 3, 4]
+    p = IdPrefixes(ids, 4)
+    for k in (4, 8, 12):
+        assert json.loads(p.json(k)) == ids[:k]
+
+
+async def test_slices_are_growing_block_aligned_prefixes_of_the_prompt():
+    ids = list(range(1000, 1000 + 1234))
+    bodies = []
+
+    async def send(body: bytes) -> bool:
+        bodies.append(json.loads(body))
+        return True
+
+    sizer = SliceSizer(target_s=0.03, min_tokens=100, max_tokens=300, tokens=200)
+    run = await run_slices(ids, 16, sizer, send, model="m", cache_salt="s", deadline=float("inf"),
+                           window=lambda: None, window_max=lambda: 0.03)
+    ends = [len(b["prompt"]) for b in bodies]
+    assert ends == sorted(set(ends)) and all(e % 16 == 0 for e in ends)
+    assert ends[-1] == (len(ids) - 1) // 16 * 16 and run.tokens == ends[-1]  # the tail is the request's own
+    assert all(b["prompt"] == ids[:e] for b, e in zip(bodies, ends))
+    assert all(b["max_tokens"] == 1 and b["model"] == "m" and b["cache_salt"] == "s" for b in bodies)
+    assert run.slices == len(bodies) and not run.stopped
+
+
+async def test_slicing_stops_at_a_failed_slice_and_at_the_deadline():
+    ids = list(range(5000))
+    sent = []
+
+    async def failing(body: bytes) -> bool:
+        sent.append(body)
+        return len(sent) < 3
+
+    sizer = SliceSizer(0.03, 256, 256, 256)
+    run = await run_slices(ids, 16, sizer, failing, model=None, cache_salt=None, deadline=float("inf"),
+                           window=lambda: None, window_max=lambda: None)
+    assert run.stopped == "upstream_error" and run.slices == 2 and len(sent) == 3
+    clock = iter(range(100)).__next__
+
+    async def fine(body: bytes) -> bool:
+        return True
+
+    run = await run_slices(ids, 16, sizer, fine, model=None, cache_salt=None, deadline=2,
+                           window=lambda: None, window_max=lambda: None, clock=lambda: float(clock()))
+    assert run.stopped == "deadline"
+
+
+def test_slice_size_follows_the_gaps_in_whole_blocks():
+    s = SliceSizer(target_s=0.030, min_tokens=100, max_tokens=2048, tokens=512)
+    s.after(0.060)  # twice the target: halve
+    assert s.tokens == 256
+    s.after(0.300)  # far over: at most halve
+    assert s.tokens == 128
+    s.after(0.001)  # far under: at most 1.5x
+    assert s.tokens == 192
+    s.after(None)  # no stream saw it: grow
+    assert s.tokens == 288
+    assert s.size(16) == 288 and s.size(100) == 200  # whole blocks, at least min_tokens
+    s.tokens = 10
+    assert s.size(16) == 112  # min 100 rounded up to blocks
+
+
+# --------------------------------------------------------------------- the policy
+def slicing_policy(mode=Slicing.ON, chooser=None, upstreams=("u1",)):
+    p = AdmissionPolicy(upstreams, Limits(slicing=mode), clock=lambda: 0.0, chooser=chooser)
+    for u in p.upstreams.values():
+        u.can_slice = True
+    return p
+
+
+def live_stream(p):
+    b = Ticket(RequestClass.INTERACTIVE, 50)
+    p.submit(b)
+    p.start_decoding(b)
+    return b
+
+
+def long_ticket(sliceable=True):
+    return Ticket(RequestClass.LARGE, 20_000, sliceable=sliceable)
+
+
+def test_a_held_prefill_is_sliced_one_at_a_time_per_upstream():
+    p = slicing_policy()
+    b = live_stream(p)
+    a1, a2 = long_ticket(), long_ticket()
+    assert p.submit(a1) is Decision.SLICING and a1.phase is Phase.SLICING
+    assert p.submit(a2) is Decision.QUEUED  # one slicer per upstream
+    up = p.upstreams["u1"]
+    assert up.slicer == a1.id and up.large_in_flight == 0 and up.active == 1
+    assert p.sliced(a1, 300) == [a2] and a2.phase is Phase.SLICING  # the freed slicer takes the next
+    assert a1.phase is Phase.PREFILLING and a1.tokens == 300 and up.large_in_flight == 0
+    assert up.prefill_tokens == 300 + 50 - 50  # the stream's prompt is done; a1's tail is in flight
+    p.start_decoding(a1)
+    for t in (a2, a1, b):
+        p.finish(t)
+    assert (up.active, up.live_decodes, up.slicer, up.prefill_tokens, p.queue_depth) == (0, 0, None, 0, 0)
+
+
+def test_finish_while_slicing_frees_the_slicer_exactly_once():
+    p = slicing_policy()
+    live_stream(p)
+    a = long_ticket()
+    p.submit(a)
+    nxt = long_ticket()
+    p.submit(nxt)
+    assert p.finish(a) == [nxt] and nxt.phase is Phase.SLICING
+    with pytest.raises(PolicyError):
+        p.finish(a)
+
+
+def test_unslice_goes_back_to_its_place_and_is_never_sliced_again():
+    p = slicing_policy()
+    b = live_stream(p)
+    a, later = long_ticket(), long_ticket(sliceable=False)
+    p.submit(a), p.submit(later)
+    assert p.unslice(a) == [] and a.phase is Phase.QUEUED and not a.sliceable
+    assert p.queued() == [a, later]  # ahead of the later arrival, as before
+    assert p.finish(b) == [a]  # the stream ended: the head is admitted whole
+    assert p.upstreams["u1"].large_in_flight == 1
+
+
+def test_not_sliceable_off_or_incapable_upstreams_hold():
+    for mode, sliceable, can in ((Slicing.OFF, True, True), (Slicing.ON, False, True), (Slicing.ON, True, False)):
+        p = slicing_policy(mode)
+        p.upstreams["u1"].can_slice = can
+        live_stream(p)
+        assert p.submit(long_ticket(sliceable)) is Decision.QUEUED
+
+
+def test_auto_asks_the_chooser_and_asks_again_as_things_change():
+    answers = {"slice": False}
+    p = slicing_policy(Slicing.AUTO, chooser=lambda t, u: answers["slice"])
+    b = live_stream(p)
+    a = long_ticket()
+    assert p.submit(a) is Decision.QUEUED
+    answers["slice"] = True
+    b2 = live_stream(p)  # any change pumps the queue: the chooser now says slice
+    assert a.phase is Phase.SLICING
+    p.finish(b), p.finish(b2)
+
+
+def test_a_sliced_request_is_never_rerouted():
+    p = slicing_policy(upstreams=("u1", "u2"))
+    live_stream(p), live_stream(p)  # one on each (interactive goes to the least active)
+    a = long_ticket()
+    assert p.submit(a) is Decision.SLICING
+    p.sliced(a, 100)
+    assert p.reroute(a, {a.upstream}) is None
+
+
+# ------------------------------------------------------------------ capabilities
+def test_cache_config_is_read_off_vllms_metrics():
+    page = (b'# HELP vllm:cache_config_info x\nvllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            b'enable_prefix_caching="True",engine="0"} 1.0\n')
+    assert parse_cache_config(page) == (16, True)
+    assert parse_cache_config(page.replace(b"True", b"False")) == (16, False)
+    assert parse_cache_config(b"vllm:num_requests_running 0\n") == (None, False)
+    assert not Capabilities(16, True, False).can_slice and "tokenize" in Capabilities(16, True, False).why_not()
+
+
+# --------------------------------------------------- the whole path, real sockets
+# Slow steps so that a slice is in flight long enough to act: 5 ms per step + 50 us/token.
+COST = CostModel(base=0.005, per_prefill_token=5e-5)
+
+
+@pytest.fixture
+async def sliced_stack(request):
+    caching = getattr(request, "param", True)
+    engine = Engine(EngineConfig(max_num_batched_tokens=8192, enable_prefix_caching=caching), COST)
+    prompts = []
+    add = engine.add
+
+    def recording(req, token_ids=False):
+        prompts.append((list(req.prompt), token_ids))
+        return add(req, token_ids)
+
+    engine.add = recording
+    async with serve(create_sim_app(engine)) as sim_url:
+        settings = load_settings({"upstreams": [sim_url], "large_prefill_tokens": 1000, "slicing": "on",
+                                  "min_slice_tokens": 512, "max_slice_tokens": 512}, environ={})
+        state = build_state(settings, registry=CollectorRegistry())
+        state.set_capabilities(sim_url, await probe_capabilities(state.client, sim_url))
+        async with serve(create_app(state, health_checks=False)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                yield client, state, prompts
+
+
+def long_chat(n=6000, stream=True):
+    return {"model": "sim", "messages": [{"role": "user", "content": "x" * n}], "max_tokens": 3, "stream": stream}
+
+
+async def test_a_long_prompt_next_to_a_stream_is_sliced_then_sent_whole(sliced_stack):
+    client, state, prompts = sliced_stack
+    assert state.caps[state.settings.upstreams[0]].can_slice
+    b_cm, b_it = await start_b(client)
+    r = await client.post(CHAT, json=long_chat(stream=False))
+    assert r.status_code == 200
+    final = render_chat(long_chat()["messages"])
+    slices = [p for p, ids in prompts if ids]
+    last = (len(final) - 1) // 16 * 16  # the last whole block before the prompt's end
+    assert len(slices) == -(-last // 512) and len(slices[-1]) == last  # 512-token slices up to it
+    assert all(s == final[: len(s)] and len(s) % 16 == 0 for s in slices)
+    assert [len(s) for s in slices] == sorted(len(s) for s in slices)
+    assert prompts[-1] == (final, False)  # then the client's request, unchanged
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(slices[-1])
+    reg = state.metrics.registry
+    up = state.settings.upstreams[0]
+    assert sample(reg, "prefill_gate_slices_total", {"upstream": up}) == len(slices)
+    assert sample(reg, "prefill_gate_slice_cache_miss_tokens_total", {"upstream": up}) == 0
+    assert sample(reg, "prefill_gate_admissions_total", {"class": "large", "decision": "slicing"}) == 1
+    await b_cm.__aexit__(None, None, None)
+
+
+async def test_a_disconnect_mid_slicing_closes_the_slice_and_sends_nothing_more(sliced_stack):
+    client, state, prompts = sliced_stack
+    b_cm, b_it = await start_b(client)
+    task = asyncio.create_task(client.post(CHAT, json=long_chat(30_000)))
+    await until(lambda: sum(ids for _, ids in prompts) >= 3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    sent = sum(ids for _, ids in prompts)
+    up = state.policy.upstreams[state.settings.upstreams[0]]
+    await until(lambda: up.slicer is None and up.active == 1)  # only B is left
+    await asyncio.sleep(0.3)
+    assert sum(ids for _, ids in prompts) == sent  # nothing more was sliced
+    await b_cm.__aexit__(None, None, None)
+    await until(lambda: up.active == 0 and up.live_decodes == 0)
+
+
+@pytest.mark.parametrize("sliced_stack", [False], indirect=True)
+async def test_an_upstream_without_prefix_caching_holds(sliced_stack):
+    client, state, prompts = sliced_stack
+    up = state.settings.upstreams[0]
+    assert not state.caps[up].can_slice and "prefix caching" in state.caps[up].why_not()
+    b_cm, b_it = await start_b(client)
+    task = asyncio.create_task(client.post(CHAT, json=long_chat()))
+    await until(lambda: state.policy.queue_depth == 1)  # held
+    await b_cm.__aexit__(None, None, None)
+    assert (await task).status_code == 200
+    assert not any(ids for _, ids in prompts)
+
+
+async def test_when_tokenize_fails_the_request_is_held_instead(fake):
+    """The fake upstream's /tokenize answers a count but no token ids."""
+    async with proxy_client(fake, slicing="on", large_prefill_tokens=1000) as (c, state):
+        state.set_capabilities(state.settings.upstreams[0], Capabilities(16, True, True))
+        b = await hold_stream(c, fake)
+        task = asyncio.create_task(c.post(CHAT, json=chat("y" * 20_000, stream=True)))
+        await until(lambda: state.policy.queue_depth == 1)
+        assert not fake.bodies[-1].get("prompt")  # no slice was sent
+        fake.release.set()
+        assert (await b).status_code == 200 and (await task).status_code == 200
+        assert state.policy.queued() == []
