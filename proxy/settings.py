@@ -72,7 +72,7 @@ class Settings(BaseModel):
         "predicted to finish the prompt sooner than holding and to keep max_gap_ms; off: hold.",
     )
     slice_gap_ms: float = Field(
-        30.0, gt=0, description="Slicing: the protected streams' largest gap the slice size aims at."
+        40.0, gt=0, description="Slicing: the protected streams' largest gap the slice size aims at."
     )
     max_gap_ms: float = Field(
         50.0, gt=0,
