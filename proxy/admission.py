@@ -73,6 +73,7 @@ class Limits:
     max_large_in_flight: int = 1
     max_decodes_for_large: int = 0
     max_queue: int = 256
+    max_queue_bytes: int = 1 << 30  # request bodies held by queued tickets
     max_queue_wait: float = 30.0
     admit_on_timeout: bool = True
     itl_slo: float | None = None  # seconds; None: no closed loop
@@ -91,6 +92,7 @@ class Ticket:
     cls: RequestClass
     tokens: int
     protected: bool = True
+    bytes: int = 0  # its request body, held while it is queued
     priority: int = 0
     prefer: str | None = None
     id: int = 0
@@ -150,12 +152,17 @@ class AdmissionPolicy:
         if not self.upstreams:
             raise ValueError("the policy needs at least one upstream")
         self._queue: list[Ticket] = []  # sorted by (priority, id)
+        self._queued_bytes = 0
         self._ids = itertools.count(1)
 
     # ---------------------------------------------------------------- queries
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
 
     def queued(self) -> list[Ticket]:
         return list(self._queue)
@@ -192,7 +199,9 @@ class AdmissionPolicy:
         if ticket.cls is RequestClass.INTERACTIVE:
             self._admit(ticket, self._pick_any(ticket.prefer))
             return Decision.ADMITTED
-        if len(self._queue) >= self.limits.max_queue and not self._can_start_now():
+        full = (len(self._queue) >= self.limits.max_queue
+                or self._queued_bytes + ticket.bytes > self.limits.max_queue_bytes)
+        if full and not self._can_start_now():
             ticket.phase = Phase.DONE
             return Decision.REJECTED
         ticket.deadline = ticket.arrived + self.limits.max_queue_wait
@@ -229,6 +238,11 @@ class AdmissionPolicy:
     def _enqueue(self, ticket: Ticket) -> None:
         ticket.phase = Phase.QUEUED
         bisect.insort(self._queue, ticket, key=lambda t: t.sort_key)
+        self._queued_bytes += ticket.bytes
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        self._queue.remove(ticket)
+        self._queued_bytes -= ticket.bytes
 
     def start_decoding(self, ticket: Ticket) -> list[Ticket]:
         """The first content chunk arrived: the prefill is over. Returns tickets admitted by it."""
@@ -248,7 +262,7 @@ class AdmissionPolicy:
             raise PolicyError(f"ticket {ticket.id} finished from {phase.value}")
         ticket.phase = Phase.DONE
         if phase is Phase.QUEUED:
-            self._queue.remove(ticket)
+            self._dequeue(ticket)
             return self._pump()
         up = self.upstreams[ticket.upstream]
         if phase is Phase.SLICING:
@@ -265,7 +279,7 @@ class AdmissionPolicy:
         """The ticket's wait bound passed: admit it anyway or reject it, per the limits."""
         if ticket.phase is not Phase.QUEUED:
             raise PolicyError(f"ticket {ticket.id} expired from {ticket.phase.value}")
-        self._queue.remove(ticket)
+        self._dequeue(ticket)
         if not self.limits.admit_on_timeout:
             ticket.phase = Phase.DONE
             return Decision.REJECTED
@@ -392,10 +406,10 @@ class AdmissionPolicy:
             head = self._queue[0]
             up = self._eligible(head)
             if up is not None:
-                self._queue.pop(0)
+                self._dequeue(head)
                 self._admit(head, up)
             elif (up := self._slicer_for(head)) is not None:
-                self._queue.pop(0)
+                self._dequeue(head)
                 head.phase = Phase.SLICING
                 head.upstream = up.name
                 up.slicer = head.id

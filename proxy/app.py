@@ -14,18 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .admission import AdmissionPolicy, Limits, Slicing, Ticket, UpstreamState
 from .capabilities import MAX_METRICS_BYTES, Capabilities, parse_cache_config
 from .auth import OPEN_PATHS, KeyCheck
-from .errors import HeadersTooLarge, ProxyError, Unauthorized
+from .errors import BadRequest, HeadersTooLarge, MethodNotAllowed, NotFound, ProxyError, Unauthorized
 from .estimate import (
     Calibrator,
     Estimator,
@@ -133,6 +136,7 @@ def build_state(
         max_large_in_flight=settings.max_large_in_flight,
         max_decodes_for_large=settings.max_decodes_for_large,
         max_queue=settings.max_queue,
+        max_queue_bytes=settings.max_queued_bytes,
         max_queue_wait=settings.max_queue_wait,
         admit_on_timeout=settings.on_queue_timeout == "admit",
         itl_slo=settings.itl_slo_ms / 1000 if settings.itl_slo_ms else None,
@@ -198,6 +202,25 @@ async def _health_loop(state: AppState) -> None:
 
 
 HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# Spellings that an upstream (or the client library on the way) may resolve to another path:
+# percent-encoded dots, slashes, backslashes and NULs.
+_ENCODED = re.compile(rb"%(2e|2f|5c|00)", re.IGNORECASE)
+
+
+def path_refusal(path: str, raw_path: bytes | None) -> ProxyError | None:
+    """Why this path is refused before any routing, or None. Every path the proxy serves is
+    routed by its one canonical spelling: dot segments, empty segments, backslashes, control
+    characters and encoded separators are refused, so no spelling of a gated endpoint reaches
+    the upstream through passthrough (which would resolve it there, ungated)."""
+    if _ENCODED.search(raw_path or b"") or "\\" in path or "//" in path \
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        return BadRequest("the request path is not in canonical form (encoded or doubled separators, "
+                          "control characters)")
+    if any(seg in (".", "..") for seg in path.split("/")):
+        return BadRequest("the request path holds a '.' or '..' segment")
+    if path != "/" and path.endswith("/") and path.rstrip("/") in HOT_PATHS:
+        return NotFound(f"no such endpoint {path!r}; did you mean {path.rstrip('/')!r}?")
+    return None
 
 
 class GateApp:
@@ -218,6 +241,10 @@ class GateApp:
                                       f"{self.state.settings.max_header_bytes} (max_header_bytes)")
                 await exc.response()(scope, receive, send)
                 return
+            refused = path_refusal(scope["path"], scope.get("raw_path"))
+            if refused is not None:
+                await refused.response()(scope, receive, send)
+                return
         keys = self.state.keys
         if keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
@@ -227,7 +254,10 @@ class GateApp:
                 await exc.response()(scope, receive, send)
                 return
         endpoint = HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if endpoint is None or scope["method"] != "POST":
+        if endpoint is not None and scope["method"] != "POST":  # nothing but the gate reaches these
+            await MethodNotAllowed(f"{scope['path']} takes POST", allow="POST").response()(scope, receive, send)
+            return
+        if endpoint is None:
             await self.api(scope, receive, send)
             return
         try:
@@ -258,6 +288,18 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The framework's own 404 and 405, OpenAI-shaped like every other error."""
+        error = ProxyError(str(exc.detail))
+        error.status, error.code = exc.status_code, "not_found" if exc.status_code == 404 else "http_error"
+        error.type = "invalid_request_error"
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return BadRequest(f"invalid request: {exc.errors()[:3]}").response()
 
     @app.get("/health")
     async def health():

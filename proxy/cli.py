@@ -63,7 +63,9 @@ async def _serve(settings: Settings) -> None:
     # uvicorn stops accepting on SIGTERM/SIGINT and waits for open requests; ours end them
     # with an error once shutdown_grace has passed, a little before uvicorn would cut them.
     proxy = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                          lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace + 5))
+                                          lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace + 5,
+                                          limit_concurrency=settings.max_client_connections,
+                                          timeout_keep_alive=settings.client_idle_timeout))
     servers.append(proxy.serve())
     if settings.metrics_port is not None:
         from .app import create_metrics_app
@@ -91,6 +93,21 @@ async def _drain_on_exit(server, state, grace: float) -> None:
         log.warning("shutdown grace over: ending %d requests with an error", state.end_exchanges())
 
 
+def _strip_query(record: logging.LogRecord) -> bool:
+    """Access-log lines without query strings: a key sent as ``?api_key=...`` stays out of logs."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+        record.args = args[:2] + (args[2].split("?", 1)[0] + "?...",) + args[3:]
+    return True
+
+
+def _one_line_for_bad_http(record: logging.LogRecord) -> bool:
+    """A malformed request from a client is one warning line, not a traceback per request."""
+    if record.getMessage().startswith("Invalid HTTP request"):
+        record.exc_info = record.exc_text = None
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {name: getattr(args, name, None) for name in Settings.model_fields}
     try:
@@ -108,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    logging.getLogger("uvicorn.access").addFilter(_strip_query)
+    logging.getLogger("uvicorn.error").addFilter(_one_line_for_bad_http)
     run_loop(_serve(settings))
     return 0
 
@@ -178,13 +197,13 @@ def cmd_bench_overlap(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> int:
-    from .bench.mixed import main as mixed_main
+    from .bench.mixed_report import main as mixed_main
 
     return mixed_main(args)
 
 
 def cmd_bench_mixed_report(args: argparse.Namespace) -> int:
-    from .bench.mixed import main_report
+    from .bench.mixed_report import main_report
 
     return main_report(args)
 
@@ -266,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("mixed", help="steady load: desynchronised interactive users + long prompts at random, "
                                        "per-class latency and goodput")
-    from .bench.mixed import add_arguments as mixed_arguments
+    from .bench.mixed_report import add_arguments as mixed_arguments
 
     mixed_arguments(p)
     p.set_defaults(func=cmd_bench_mixed)

@@ -34,6 +34,8 @@ class DisconnectWatch:
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         self._watcher.cancel()
         if exc_type is asyncio.CancelledError and self.gone:
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+; on 3.10 a caught cancel is spent
+                task.uncancel()
             return True
         return False

@@ -1,15 +1,21 @@
 """The proxy's one exception tree, and how each maps to an OpenAI-style error.
 
     ProxyError                      base: an HTTP status, an OpenAI error type and code
-    +-- BadRequest          400     body is not JSON, or a field has the wrong type
+    +-- BadRequest          400     body is not JSON, or a field has the wrong type, or a path
+                                    spelled to reach around the gate (dot segments, %2e, %00...)
     +-- Unauthorized        401     api_keys_file is set and the Bearer key is not in it
+    +-- NotFound            404     no such path
+    +-- MethodNotAllowed    405     a gated endpoint asked with another method than POST
     +-- BodyTooLarge        413     body over ``max_body_bytes``
-    +-- QueueFull           429     the large-prefill queue is full (carries Retry-After)
+    +-- HeadersTooLarge     431     headers over ``max_header_bytes``
+    +-- QueueFull           429     the large-prefill queue is full, by count or by bytes (carries Retry-After)
     +-- QueueTimeout        503     waited ``max_queue_wait`` and ``on_queue_timeout=reject``
+    +-- ShuttingDown        503     the proxy stops (SIGTERM) and the request outlived ``shutdown_grace``
     +-- UpstreamError               the upstream failed us (mapped in ``upstream.py`` only)
         +-- UpstreamUnavailable 502 cannot connect, no healthy upstream
         +-- UpstreamProtocolError 502 the upstream answered something that is not HTTP/SSE
-        +-- UpstreamTimeout     504 connected, but silent past ``read_timeout``
+        +-- UpstreamTimeout     504 connected, but silent past ``read_timeout``, or the request
+                                    past ``max_request_seconds``
 
 An upstream's own 4xx/5xx *response* is not an exception: its body reaches the
 client unchanged. Every error body is ``{"error": {"message", "type", "param", "code"}}``.
@@ -74,6 +80,25 @@ class BodyTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str):
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allow}
 
 
 class HeadersTooLarge(ProxyError):

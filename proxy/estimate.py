@@ -1,8 +1,8 @@
 """How many prompt tokens will the upstream have to prefill? Cheapest answer first.
 
 1. ``Calibrator``: prompt bytes / bytes-per-token, the ratio learned per model from
-   the ``usage.prompt_tokens`` of finished requests (an exponential average), plus a
-   per-message template overhead. Costs one pass over the text's length.
+   the ``usage.prompt_tokens`` of finished requests (a median over recent ones, robust
+   to clients that skew it), plus a per-message template overhead. Costs one pass over the text's length.
 2. An exact counter, used only when the cheap estimate lands near the threshold
    (within ``band`` of it), so a 100k-character prompt far above the threshold is
    never tokenized on the hot path: ``TokenizerJsonCounter`` (HF ``tokenizers``),
@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import statistics
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -91,12 +93,24 @@ def shape_of(body: dict, endpoint: str) -> PromptShape:
 
 
 class Calibrator:
-    """Bytes-per-token ratio per model, learned from reported usage."""
+    """Bytes-per-token ratio per model, learned from reported usage.
 
-    def __init__(self, initial: float = 4.0, alpha: float = 0.2, overhead: int = MESSAGE_OVERHEAD_TOKENS):
+    Reported usage comes from whatever clients send, so it is learned robustly: each
+    request's ratio is clamped to what text can have (``RATIO_BOUNDS``), and the ratio used
+    is the median of a model's last ``WINDOW`` samples (``initial`` until ``MIN_SAMPLES``):
+    a few prompts written to skew it (all emoji, say) cannot move it while they are a
+    minority. Models are remembered up to ``MAX_MODELS`` (the least recently seen go): the
+    model name is the client's to choose."""
+
+    WINDOW = 32
+    MIN_SAMPLES = 4
+    RATIO_BOUNDS = (0.5, 8.0)
+    MAX_MODELS = 256
+
+    def __init__(self, initial: float = 4.0, overhead: int = MESSAGE_OVERHEAD_TOKENS):
         self.initial = initial
-        self.alpha = alpha
         self.overhead = overhead
+        self._samples: OrderedDict[str, deque[float]] = OrderedDict()
         self._ratio: dict[str, float] = {}
 
     def ratio(self, model: str) -> float:
@@ -111,9 +125,18 @@ class Calibrator:
         text_tokens = prompt_tokens - self.overhead * n_messages
         if text_tokens <= 0:
             return
-        sample = n_bytes / text_tokens
-        old = self._ratio.get(model)
-        self._ratio[model] = sample if old is None else old + self.alpha * (sample - old)
+        lo, hi = self.RATIO_BOUNDS
+        sample = min(hi, max(lo, n_bytes / text_tokens))
+        samples = self._samples.get(model)
+        if samples is None:
+            samples = self._samples[model] = deque(maxlen=self.WINDOW)
+            while len(self._samples) > self.MAX_MODELS:
+                old, _ = self._samples.popitem(last=False)
+                self._ratio.pop(old, None)
+        self._samples.move_to_end(model)
+        samples.append(sample)
+        if len(samples) >= self.MIN_SAMPLES:
+            self._ratio[model] = statistics.median(samples)
 
 
 class ExactCounter(Protocol):

@@ -35,7 +35,7 @@ from .relay import (
     relay_raw,
     send_body,
 )
-from .upstream import UpstreamError, mapped_errors, response_headers
+from .upstream import UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -78,9 +78,18 @@ def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
         raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
 
 
-def parse_body(raw: bytes, endpoint: str) -> dict:
+def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containers: int = 200_000) -> dict:
+    """The body as JSON, after bounds that keep its cost to the event loop bounded: the
+    containers are counted before parsing (every '{' and '[', in strings too: an over-count
+    that only errs on the safe side), the messages before anything walks them."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > max_containers:
+        raise BadRequest(f"request body has {containers} JSON objects and arrays (or braces in its text); "
+                         f"the limit is {max_containers} (max_json_containers)")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -92,6 +101,9 @@ def parse_body(raw: bytes, endpoint: str) -> dict:
     _check(body, "priority", (int,))
     if endpoint == "chat":
         _check(body, "messages", (list,), required=True)
+        if len(body["messages"]) > max_messages:
+            raise BadRequest(f"{len(body['messages'])} messages; the limit is {max_messages} (max_messages)",
+                             param="messages")
         for i, m in enumerate(body["messages"]):
             if not isinstance(m, dict):
                 raise BadRequest(f"messages[{i}] must be an object", param="messages")
@@ -100,13 +112,17 @@ def parse_body(raw: bytes, endpoint: str) -> dict:
     return body
 
 
-def classify(estimate: Estimate, threshold: int, override: str | None) -> RequestClass:
-    if override is not None:
-        try:
-            return RequestClass(override.strip().lower())
-        except ValueError:
-            raise BadRequest(f"header {CLASS_HEADER} must be 'interactive' or 'large'", param=CLASS_HEADER) from None
-    return RequestClass.LARGE if estimate.tokens >= threshold else RequestClass.INTERACTIVE
+def classify(estimate: Estimate, threshold: int, override: str | None, allowed: str = "any") -> RequestClass:
+    """The class from the estimate, or from the client's header where ``allowed`` lets it:
+    ``any``, ``large`` (a client may hold itself, never skip the gate) or ``off``."""
+    cls = RequestClass.LARGE if estimate.tokens >= threshold else RequestClass.INTERACTIVE
+    if override is None or allowed == "off":
+        return cls
+    try:
+        asked = RequestClass(override.strip().lower())
+    except ValueError:
+        raise BadRequest(f"header {CLASS_HEADER} must be 'interactive' or 'large'", param=CLASS_HEADER) from None
+    return asked if allowed == "any" or asked is RequestClass.LARGE else cls
 
 
 def priority_of(body: dict, header: str | None) -> int:
@@ -149,14 +165,29 @@ class GatedRequest:
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
+    """Receive, estimate, classify. Whatever the body holds, this answers a GatedRequest or a
+    BadRequest: text no encoder takes (a lone surrogate) or nesting past Python's recursion
+    limit in a field the proxy re-encodes becomes a 400, not a 500."""
     received_at = time.monotonic()
     raw = await read_body(request, state.settings.max_body_bytes)
-    body = parse_body(raw, endpoint)
+    try:
+        return await _prepare(state, request, endpoint, raw, received_at)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except UnicodeError as exc:
+        raise BadRequest(f"request body holds text that is not valid Unicode: {exc.reason}") from None
+
+
+async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: bytes,
+                   received_at: float) -> GatedRequest:
+    settings = state.settings
+    body = parse_body(raw, endpoint, settings.max_messages, settings.max_json_containers)
     model = body.get("model") or ""
     prefixes = prefix_hashes(body["messages"]) if endpoint == "chat" else None
     hit = state.prefix_memory.longest(prefixes) if prefixes else None
     estimate = await state.estimator.estimate(shape_of(body, endpoint), model, cached=hit.tokens if hit else 0)
-    cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER))
+    cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
+                   state.settings.class_header)
     streaming = bool(body.get("stream"))
     assemble = not streaming and state.settings.protect_non_streaming and convertible(body)
     drop_usage = False
@@ -178,6 +209,7 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
         priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
         prefer=hit.upstream if hit else None,  # keep a conversation where its prefix is cached
         sliceable=slice_payload is not None,
+        bytes=len(raw),
     )
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
     state.metrics.cached_tokens.observe(estimate.cached)
@@ -192,7 +224,7 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
 
 class GatedExchange(Exchange):
     def __init__(self, state: "AppState", req: GatedRequest):
-        super().__init__(state.exchanges)
+        super().__init__(state.exchanges, state.settings.max_request_seconds)
         self.state = state
         self.req = req
         self.lease: Lease | None = None
@@ -332,8 +364,7 @@ class GatedExchange(Exchange):
     async def _relay_error_event(self, send, resp: httpx.Response, upstream: str) -> None:
         """An upstream error answer after keep-alives spent the status line: its JSON body
         unchanged as one SSE event (a non-JSON body wrapped in an OpenAI error)."""
-        with mapped_errors(upstream):
-            body = await resp.aread()
+        body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
         self.outcome.kind = "upstream_http_error"
         self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
         try:
@@ -346,8 +377,7 @@ class GatedExchange(Exchange):
         await self.end(send, b"data: " + data + b"\n\n" + DONE_EVENT)
 
     async def _relay_whole(self, send, resp: httpx.Response, upstream: str) -> None:
-        with mapped_errors(upstream):
-            body = await resp.aread()
+        body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
         if resp.status_code == 200:
             self.prefilled = True
             if b'"usage"' in body:
@@ -359,12 +389,12 @@ class GatedExchange(Exchange):
         else:
             self.outcome.kind = "upstream_http_error"
             self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
-        await self.start(send, resp.status_code, response_headers(resp.headers))
+        await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
         await self.end(send, body)
 
     async def _upstream_events(self, resp: httpx.Response, upstream: str, observer: StreamObserver):
         """Batches of complete SSE events as they arrive; then the checks of a clean end."""
-        splitter = SSESplitter()
+        splitter = SSESplitter(self.state.settings.max_upstream_event_bytes)
         with mapped_errors(upstream):
             async for raw in resp.aiter_raw():
                 yield splitter.feed(raw)
@@ -378,7 +408,7 @@ class GatedExchange(Exchange):
     async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
         observer = self.observer = StreamObserver(self._first_content, self._token_gap,
                                                   drop_usage=self.req.drop_usage)
-        await self.start(send, 200, response_headers(resp.headers))
+        await self.start(send, 200, response_headers(resp.headers, upstream))
         async for events in self._upstream_events(resp, upstream, observer):
             out = observer.filter(events)
             if out:
@@ -389,9 +419,14 @@ class GatedExchange(Exchange):
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
         observer = self.observer = StreamObserver(self._first_content, self._token_gap)
         assembler = Assembler(self.req.endpoint)
+        limit, seen = self.state.settings.max_upstream_body_bytes, 0
         async for events in self._upstream_events(resp, upstream, observer):
             observer.filter(events)
             for ev in events:
+                seen += len(ev)
+                if seen > limit:
+                    raise UpstreamProtocolError(f"upstream {upstream} streamed over {limit} bytes for one "
+                                                "answer the proxy assembles (max_upstream_body_bytes)")
                 if ev != DONE_EVENT:
                     obj = event_json(ev)
                     if isinstance(obj, dict) and "error" in obj:
@@ -464,14 +499,14 @@ class PassthroughExchange(Exchange):
     """Any other allowed path: method, headers, body and status pass unchanged."""
 
     def __init__(self, state: "AppState", upstream: str, method: str, path: str, query: str, headers: Any, body: bytes):
-        super().__init__(state.exchanges)
+        super().__init__(state.exchanges, state.settings.max_request_seconds)
         self.state = state
         self.args = (upstream, method, path, headers, body, query)
 
     async def run(self, send) -> None:
         upstream = self.args[0]
         async with self.state.client.stream(*self.args) as resp:
-            await self.start(send, resp.status_code, response_headers(resp.headers))
+            await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
             await relay_raw(send, resp, upstream)
             await self.end(send)
 

@@ -16,7 +16,10 @@ What it does and does not do:
     client left (it aborts the request and frees its KV cache).
   * Timeouts from the request (httpx.Timeout): connect, read (per wait for bytes), write,
     pool (waiting for a free connection slot).
-  * Bounded buffering: past `HIGH_WATER` unread bytes the socket stops being read.
+  * Bounded buffering: past `HIGH_WATER` unread bytes the socket stops being read; a
+    response head of more than `MAX_HEADERS` headers or `MAX_HEAD_BYTES` bytes, or more than
+    `MAX_INTERIM` 1xx answers, is a protocol error; bytes that arrive on a pooled connection
+    (an answer nobody asked for) close it, so they can never reach another request.
   * A request on a reused connection that the server closed before answering is sent
     again once on a fresh connection (the server closed an idle keep-alive; nothing of
     the request was processed).
@@ -35,6 +38,9 @@ import httptools
 import httpx
 
 HIGH_WATER = 1 << 20  # unread body bytes per connection before the socket is paused
+MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) longer than this is refused
+MAX_HEADERS = 128
+MAX_INTERIM = 8  # 1xx answers before the real one
 
 
 class _Closed(Exception):
@@ -50,11 +56,15 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.in_use = True  # False while pooled: bytes arriving then are nobody's answer
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0
+        self._head_size = 0
+        self.interim = 0
         self.head_done = False
         self.keep_alive = False
         self.until_eof = False  # a body delimited by the connection's end (no length, no chunks)
@@ -71,7 +81,18 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use or self.complete:
+            # Unasked-for bytes (a second answer on a pooled keep-alive, or after this one's
+            # end) belong to no request: never hand this connection out again.
+            self.keep_alive = False
+            self.close()
+            return
         self.any_bytes = True
+        if not self.head_done:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES + HIGH_WATER:  # the parser's own count below is exact
+                self._fail(httpx.RemoteProtocolError(f"upstream response head over {MAX_HEAD_BYTES} bytes"))
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -98,13 +119,24 @@ class _Connection(asyncio.Protocol):
         return False  # close our side too
 
     # --------------------------------------------------------- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer right behind the first: nobody asked for it
+            raise httptools.HttpParserError("upstream sent an answer nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self._head_size += len(name) + len(value)
+        if len(self.headers) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
+            raise httptools.HttpParserError(f"more than {MAX_HEADERS} headers or {MAX_HEAD_BYTES} bytes of them")
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         if 100 <= self.status < 200:  # an interim answer (100 Continue): wait for the real one
             self.headers = []
+            self._head_size = 0
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise httptools.HttpParserError(f"more than {MAX_INTERIM} interim (1xx) answers")
             return
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()  # valid only inside the callbacks
@@ -272,6 +304,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             conn = idle.pop()  # the most recently used: the likeliest to be alive
             if not conn.closed and now - conn.idle_since < self._expiry:
                 conn._reset()
+                conn.in_use = True
                 return conn, True
             self._discard(conn)
         scheme, host, port = origin
@@ -297,6 +330,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             self._discard(conn)
             return
         conn.idle_since = time.monotonic()
+        conn.in_use = False
         idle.append(conn)
 
     def _discard(self, conn: _Connection) -> None:

@@ -106,7 +106,8 @@ class Gate:
         if decision is Decision.REJECTED:
             self._count(ticket, "rejected_queue_full")
             raise QueueFull(
-                f"{self.policy.queue_depth} large prefills are already queued; retry later",
+                f"{self.policy.queue_depth} large prefills ({self.policy.queued_bytes} bytes) are already "
+                "queued; retry later (max_queue, max_queued_bytes)",
                 retry_after=self.policy.retry_after(),
             )
         if decision in (Decision.ADMITTED, Decision.SLICING):

@@ -26,6 +26,9 @@ def prefix_hashes(messages: list) -> list[bytes]:
     return out
 
 
+PER_REQUEST = 64  # prefixes one request may add to an upstream's memory
+
+
 @dataclass(frozen=True)
 class Hit:
     upstream: str
@@ -54,8 +57,12 @@ class PrefixMemory:
         return best
 
     def remember(self, upstream: str, hashes: list[bytes], cumulative_tokens: list[int]) -> None:
+        """Remember a request's prefixes: its last PER_REQUEST ones (the next turn of a
+        conversation extends the whole list, so the longest prefixes are the ones that hit;
+        one request of thousands of messages cannot flush everyone else's memory)."""
         mem = self._mem[upstream]
-        for h, t in zip(hashes, cumulative_tokens):
+        keep = len(hashes) - PER_REQUEST
+        for h, t in list(zip(hashes, cumulative_tokens))[max(0, keep):]:
             mem[h] = t
             mem.move_to_end(h)
         while len(mem) > self.capacity:

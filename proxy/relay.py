@@ -23,40 +23,69 @@ import httpx
 from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
-from .errors import ProxyError, QueueFull, QueueTimeout, ShuttingDown, UpstreamError
+from .errors import (
+    ProxyError,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
 from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class SSESplitter:
-    """Cuts a byte stream into complete SSE events (each ending in a blank line)."""
+    """Cuts a byte stream into complete SSE events (each ending in a blank line).
 
-    __slots__ = ("_buf",)
+    Linear in the bytes fed, however they are cut: a partial event is kept in a bytearray
+    that grows in place and is searched only where the new bytes could end it. An event
+    longer than ``limit`` bytes is an UpstreamProtocolError (a stream that never ends an
+    event must not grow the proxy without bound)."""
 
-    def __init__(self) -> None:
-        self._buf = b""
+    __slots__ = ("_buf", "_scan", "_cr", "limit")
+
+    def __init__(self, limit: int = 8 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self._scan = 0  # where to resume the search for an event's end in _buf
+        self._cr = False  # a CR was seen: look for CRLF blank lines too
+        self.limit = limit
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self._buf + data if self._buf else data
+        cr = self._cr = self._cr or b"\r" in data
+        if self._buf:
+            self._buf += data
+            buf, pos = self._buf, self._scan
+        else:
+            buf, pos = data, 0
         events = []
         start = 0
-        has_crlf = b"\r" in buf
         while True:
-            end = buf.find(b"\n\n", start)  # the event ends after buf[end + 1]
-            if has_crlf:
-                crlf = buf.find(b"\r\n\r\n", start)
+            end = buf.find(b"\n\n", pos)  # the event ends after buf[end + 1]
+            if cr:
+                crlf = buf.find(b"\r\n\r\n", pos)
                 if crlf >= 0 and (end < 0 or crlf + 2 < end):
                     end = crlf + 2
             if end < 0:
                 break
-            events.append(buf[start : end + 2])
-            start = end + 2
-        self._buf = buf[start:]
+            events.append(bytes(buf[start : end + 2]))
+            start = pos = end + 2
+        rest = len(buf) - start
+        if rest > self.limit:
+            raise UpstreamProtocolError(f"an upstream SSE event exceeds {self.limit} bytes (max_upstream_event_bytes)")
+        if buf is self._buf:
+            del buf[:start]
+        elif rest:
+            self._buf = bytearray(buf[start:])
+        self._scan = max(0, rest - 3)  # a blank line may straddle this feed and the next
         return events
 
     def flush(self) -> bytes:
-        rest, self._buf = self._buf, b""
+        rest = bytes(self._buf)
+        self._buf = bytearray()
+        self._scan = 0
         return rest
 
 
@@ -166,20 +195,25 @@ class Exchange(Response):
     or an in-stream error event and a clean end after it.
     """
 
-    def __init__(self, registry: set | None = None) -> None:  # Response.__init__ is not called
+    def __init__(self, registry: set | None = None, deadline: float | None = None) -> None:
+        # (Response.__init__ is not called)
         self.background = None
         self.status_code = 200
         self.started = False
         self.outcome = Outcome()
         self._watch: DisconnectWatch | None = None
         self._registry = registry  # the app's requests in progress, for shutdown
+        self._deadline = deadline  # seconds this request may take in all
         self._task: asyncio.Task | None = None
-        self._stopping = False
+        self._ended_by: ProxyError | None = None  # why the proxy itself cancelled the request
 
     def stop(self) -> None:
         """End this request now with a ShuttingDown error (shutdown's grace is over)."""
-        if self._task is not None and not self._stopping:
-            self._stopping = True
+        self._end_with(ShuttingDown("the proxy is shutting down; retry against another instance"))
+
+    def _end_with(self, error: ProxyError) -> None:
+        if self._task is not None and self._ended_by is None:
+            self._ended_by = error
             self._task.cancel()
 
     async def run(self, send) -> None:
@@ -204,6 +238,10 @@ class Exchange(Response):
         self._task = asyncio.current_task()
         if self._registry is not None:
             self._registry.add(self)
+        timer = None
+        if self._deadline is not None:
+            timer = asyncio.get_running_loop().call_later(self._deadline, self._end_with, UpstreamTimeout(
+                f"the request took longer than {self._deadline:g} s in all (max_request_seconds)"))
         try:
             async with DisconnectWatch(receive) as self._watch:
                 try:
@@ -215,16 +253,18 @@ class Exchange(Response):
                 except OSError:  # the socket went away under a send
                     self.outcome.kind = "client_disconnect"
                 except asyncio.CancelledError:
-                    if not self._stopping:
+                    exc = self._ended_by
+                    if exc is None:
                         raise
                     if hasattr(self._task, "uncancel"):  # Python 3.11+
                         self._task.uncancel()
-                    exc = ShuttingDown("the proxy is shutting down; retry against another instance")
-                    self.outcome.error, self.outcome.kind = exc, "shutdown"
+                    self.outcome.error, self.outcome.kind = exc, _outcome_kind(exc)
                     await self._send_error(send, exc)
             if self._watch.gone:
                 self.outcome.kind = "client_disconnect"
         finally:
+            if timer is not None:
+                timer.cancel()
             if self._registry is not None:
                 self._registry.discard(self)
             self.finished(self.outcome)

@@ -108,8 +108,36 @@ class Settings(BaseModel):
         20000, ge=0, description="Message-list prefixes remembered per upstream (0: count whole prompts)."
     )
 
+    class_header: Literal["off", "large", "any"] = Field(
+        "large",
+        description="Which x-prefill-gate-class values clients may set: any, only large (a client may "
+        "hold itself, never skip the gate), or off (the header is ignored).",
+    )
+
     # --- limits and timeouts ---------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request (400 above).")
+    max_json_containers: int = Field(
+        200_000, ge=100,
+        description="Most JSON objects and arrays in one request body (400 above; counted as '{' and '[' "
+        "bytes, strings included), so no body costs the event loop more than a bounded parse.",
+    )
+    max_queued_bytes: int = Field(
+        1 << 30, ge=1024, description="Request bodies held in the queue at most, in bytes (429 beyond)."
+    )
+    max_upstream_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Largest upstream answer the proxy reads whole (a non-streaming answer, an error "
+        "body, an assembled stream); 502 above.",
+    )
+    max_upstream_event_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest single SSE event from an upstream (502 above)."
+    )
+    max_request_seconds: float = Field(
+        3600.0, gt=0,
+        description="Overall bound on one proxied request, queue wait included (504 or an in-stream "
+        "error after it), whatever the upstream does (drip-feeding, endless interim answers).",
+    )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest total size of a request's header names and values (431 above)."
     )
@@ -122,6 +150,13 @@ class Settings(BaseModel):
         description="Upstream requests in flight at most, all upstreams together (idle keep-alive connections come on top: at most 256 per upstream).",
     )
     health_interval: float = Field(5.0, gt=0, description="Seconds between upstream health checks.")
+    max_client_connections: int = Field(
+        16384, ge=16,
+        description="Client connections and requests at once, at most (503 beyond; uvicorn's limit_concurrency).",
+    )
+    client_idle_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle client keep-alive connection stays open (uvicorn's timeout_keep_alive)."
+    )
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
         "prints one). Set: every path but /health and /metrics needs a listed Bearer key (401 otherwise).",
@@ -158,6 +193,9 @@ class Settings(BaseModel):
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL")
+            if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+                raise ValueError("an upstream URL must not carry credentials (they would show in /health, "
+                                 "/metrics and logs): use upstream_api_key")
             out.append(url.rstrip("/"))
         if len(set(out)) != len(out):
             raise ValueError("the same upstream is listed twice")

@@ -30,8 +30,12 @@ _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encodi
                   "proxy-authenticate", "date", "server"}
 
 
-def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client_auth: bool = False) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-prefill-gate-")}
+def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client_auth: bool = False) -> dict:
+    """The headers to send upstream. Values go out as the bytes they arrived as (the ASGI
+    server decoded them as latin-1), so a header byte over 0x7F passes through unchanged
+    instead of failing an ASCII encoder."""
+    out = {k: v if v.isascii() else v.encode("latin-1", "replace") for k, v in headers.items()
+           if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-prefill-gate-")}
     out["accept-encoding"] = "identity"  # we parse the stream; vLLM does not compress anyway
     if api_key is not None or drop_client_auth:  # the client's key is for the proxy, never for upstream
         out = {k: v for k, v in out.items() if k.lower() != "authorization"}
@@ -40,8 +44,18 @@ def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client
     return out
 
 
-def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.multi_items() if k.lower() not in _DROP_RESPONSE]
+def response_headers(headers: httpx.Headers, upstream: str | None = None) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers for the client; a redirect to the upstream's own
+    address is made relative, so the internal address does not leak."""
+    out = []
+    for k, v in headers.multi_items():
+        name = k.lower()
+        if name in _DROP_RESPONSE:
+            continue
+        if name == "location" and upstream is not None and v.startswith(upstream):
+            v = v[len(upstream):] or "/"
+        out.append((k.encode("latin-1"), v.encode("latin-1")))
+    return out
 
 
 @contextlib.contextmanager
@@ -59,6 +73,19 @@ def mapped_errors(upstream: str):
         raise UpstreamProtocolError(f"upstream {upstream} broke the connection: {exc or type(exc).__name__}") from exc
     except httpx.HTTPError as exc:
         raise UpstreamUnavailable(f"upstream {upstream} failed: {exc or type(exc).__name__}") from exc
+
+
+async def read_limited(resp: httpx.Response, upstream: str, limit: int) -> bytes:
+    """A response body read whole, at most ``limit`` bytes (UpstreamProtocolError beyond)."""
+    chunks, size = [], 0
+    with mapped_errors(upstream):
+        async for chunk in resp.aiter_raw():
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamProtocolError(f"upstream {upstream} answered over {limit} bytes "
+                                            "(max_upstream_body_bytes)")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class UpstreamClient:
@@ -123,14 +150,7 @@ class UpstreamClient:
 
         async def exchange() -> tuple[int, bytes]:
             async with self.stream(upstream, method, path, headers, content) as resp:
-                chunks, size = [], 0
-                with mapped_errors(upstream):
-                    async for chunk in resp.aiter_raw():
-                        size += len(chunk)
-                        if size > limit:
-                            raise UpstreamProtocolError(f"upstream {upstream}{path} answered over {limit} bytes")
-                        chunks.append(chunk)
-                return resp.status_code, b"".join(chunks)
+                return resp.status_code, await read_limited(resp, upstream, limit)
 
         try:
             return await asyncio.wait_for(exchange(), timeout)

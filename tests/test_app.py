@@ -246,7 +246,8 @@ async def test_health_and_metrics(fake):
 
 async def test_calibration_from_usage_moves_the_ratio(fake):
     async with proxy_client(fake) as (c, state):
-        await c.post(CHAT, json=chat("z" * 4000, usage_prompt_tokens=4008))
+        for _ in range(state.estimator.calibrator.MIN_SAMPLES):
+            await c.post(CHAT, json=chat("z" * 4000, usage_prompt_tokens=4008))
         assert state.estimator.calibrator.ratio("m") == pytest.approx(1.0)
         assert sample(state.metrics.registry, "prefill_gate_bytes_per_token") == pytest.approx(1.0)
 

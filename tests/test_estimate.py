@@ -65,14 +65,37 @@ async def test_token_id_prompts_are_exact():
 
 
 def test_calibrator_learns_per_model_and_ignores_tiny_prompts():
-    c = Calibrator(4.0, alpha=0.5)
-    c.observe("m", 10_000, 1, 10_008)  # 1 byte per token
+    c = Calibrator(4.0)
+    for _ in range(Calibrator.MIN_SAMPLES - 1):
+        c.observe("m", 10_000, 1, 10_008)  # 1 byte per token
+    assert c.ratio("m") == 4.0  # not enough samples yet
+    c.observe("m", 10_000, 1, 10_008)
     assert c.ratio("m") == pytest.approx(1.0)
     assert c.ratio("other") == 4.0
-    c.observe("m", 10_000, 1, 5_008)  # 2 bytes per token: halfway with alpha 0.5
-    assert c.ratio("m") == pytest.approx(1.5)
+    for _ in range(5):
+        c.observe("m", 10_000, 1, 5_008)  # 2 bytes per token: now the majority
+    assert c.ratio("m") == pytest.approx(2.0)
     c.observe("m", 100, 1, 1000)  # too small to count
-    assert c.ratio("m") == pytest.approx(1.5)
+    assert c.ratio("m") == pytest.approx(2.0)
+
+
+def test_a_minority_of_skewed_prompts_cannot_move_the_calibration():
+    """Found by an attacker: a dozen emoji-heavy prompts moved a model's ratio from 1.46 to
+    3.24 bytes per token, after which another client's 6,000-token prompt passed as
+    interactive. The ratio is now a median over recent requests, each clamped."""
+    c = Calibrator(4.0)
+    for _ in range(20):
+        c.observe("m", 14_600, 1, 10_008)  # 1.46 bytes per token
+    for _ in range(12):
+        c.observe("m", 100_000, 1, 10)  # absurd ratios, clamped to 8
+    assert c.ratio("m") == pytest.approx(1.46)
+
+
+def test_the_calibrator_forgets_models_beyond_its_bound():
+    c = Calibrator(4.0)
+    for i in range(Calibrator.MAX_MODELS + 50):
+        c.observe(f"model-{i}", 10_000, 1, 10_008)
+    assert len(c._samples) == Calibrator.MAX_MODELS and "model-0" not in c._samples
 
 
 async def test_estimator_observe_returns_relative_error_and_recalibrates():
@@ -80,6 +103,8 @@ async def test_estimator_observe_returns_relative_error_and_recalibrates():
     e = await est.estimate(shape_of(chat("y" * 4000), "chat"), "m")
     assert e.tokens == 1008
     assert est.observe("m", e, 4008) == pytest.approx(3000 / 4008)
+    for _ in range(Calibrator.MIN_SAMPLES - 1):
+        est.observe("m", e, 4008)
     e2 = await est.estimate(shape_of(chat("y" * 4000), "chat"), "m")
     assert e2.tokens == 4008
 

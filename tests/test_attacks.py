@@ -1,0 +1,325 @@
+"""What an attacker found (issue 26), each as a regression test that fails without its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from conftest import CHAT, UPSTREAM, chat, hold_stream, proxy_client, serve
+from proxy.app import build_state, create_app
+from proxy.prefix_memory import PER_REQUEST, PrefixMemory, prefix_hashes
+from proxy.relay import SSESplitter
+from proxy.settings import SettingsError, load_settings
+from test_fasthttp import HEAD_SSE, Server, chunk, read_request
+
+from proxy.errors import UpstreamProtocolError
+
+
+# ------------------------------------------------- one request freezes the proxy
+def tiny_messages(n: int) -> bytes:
+    return b'{"model":"m","max_tokens":1,"messages":[' + b",".join([b"{}"] * n) + b"]}"
+
+
+@pytest.mark.parametrize("body", [
+    tiny_messages(1_000_000),  # 3 MB: 6.8 s of CPU and /health blocked 5.9 s before the fix
+    tiny_messages(5_000),  # under the container bound, over max_messages
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":' + b"[" * 150_000 + b"]" * 150_000 + b"}",
+])
+async def test_bodies_built_to_be_slow_are_refused_in_bounded_time(fake, body):
+    async with proxy_client(fake) as (c, _):
+        cpu = time.process_time()
+        r = await c.post(CHAT, content=body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert time.process_time() - cpu < 0.5
+        assert not fake.bodies  # nothing reached the upstream
+
+
+async def test_a_hostile_body_does_not_stall_other_clients():
+    """Real sockets: while the worst body that fits under max_body_bytes is answered, /health
+    keeps answering within a bound (the parse of 16 MiB is the only work left on the loop)."""
+    from proxy.sim.engine import CostModel, Engine, EngineConfig
+    from proxy.sim.server import create_sim_app
+
+    engine = Engine(EngineConfig(), CostModel(base=0.005))
+    async with serve(create_sim_app(engine)) as sim_url:
+        state = build_state(load_settings({"upstreams": [sim_url]}, environ={}), registry=CollectorRegistry())
+        async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient(timeout=30) as c:
+            worst = [
+                tiny_messages(5_400_000),  # 16.2 MB of empty messages
+                json.dumps({"model": "m", "messages": [{"role": "user", "content": "ab"}] * 4096}).encode(),
+                json.dumps({"model": "m", "messages": [{"role": "user", "content": "{" * 15_000_000}]}).encode(),
+            ]
+            for body in worst:
+                done = asyncio.Event()
+                gaps = []
+
+                async def poll():
+                    while not done.is_set():
+                        t = time.monotonic()
+                        assert (await c.get(url + "/health")).status_code == 200
+                        gaps.append(time.monotonic() - t)
+                        await asyncio.sleep(0.01)
+
+                poller = asyncio.create_task(poll())
+                r = await c.post(url + CHAT, content=body)
+                done.set()
+                await poller
+                assert r.status_code in (200, 400)
+                assert max(gaps) < 0.5, (len(body), max(gaps))
+
+
+def test_prefix_memory_takes_only_a_requests_last_prefixes():
+    mem = PrefixMemory(["u"], capacity=1000)
+    mem.remember("u", prefix_hashes([{"i": 0}]), [10])
+    many = [{"i": i} for i in range(5000)]
+    mem.remember("u", prefix_hashes(many), list(range(5000)))
+    assert len(mem) == 1 + PER_REQUEST  # one huge request cannot flush the others
+    assert mem.longest(prefix_hashes([{"i": 0}, {"q": 1}])) is not None
+
+
+# ---------------------------------------------- the gate bypassed by a path spelling
+async def raw_request(app, method: str, raw_path: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request straight into the ASGI app with this exact path, as uvicorn would hand it
+    over (``path`` percent-decoded, ``raw_path`` as sent): HTTP clients normalise dot
+    segments before sending, an attacker's raw socket does not."""
+    from urllib.parse import unquote
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": unquote(raw_path.decode("latin-1")), "raw_path": raw_path,
+             "query_string": b"", "root_path": "", "server": ("proxy", 80), "client": ("1.2.3.4", 5),
+             "headers": [(b"host", b"proxy"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+    out = {"status": 0, "body": b""}
+    done = asyncio.Event()
+
+    async def receive():
+        if sent:
+            return sent.pop()
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body":
+            out["body"] += msg.get("body", b"")
+            if not msg.get("more_body"):
+                done.set()
+
+    await app(scope, receive, send)
+    return out["status"], out["body"]
+
+
+@pytest.mark.parametrize("path", [
+    b"/v1/./chat/completions", b"/v1/%2e/chat/completions", b"/v1/%2E%2E/v1/chat/completions",
+    b"/v1/../health", b"/v1/x/../../reset_prefix_cache", b"/v1//chat/completions", b"/v1/chat%2fcompletions",
+    b"/v1/chat/completions/", b"/v1/completions/", b"/v1/chat%00/completions", b"/v1/a%5c..%5cmetrics",
+])
+async def test_no_spelling_of_a_path_reaches_around_the_gate(fake, path):
+    async with proxy_client(fake) as (_, state):
+        app = create_app(state, health_checks=False)
+        status, body = await raw_request(app, "POST", path, json.dumps(chat("x" * 40_000, stream=True)).encode())
+    assert status in (400, 404) and "error" in json.loads(body)
+    assert not fake.requests
+
+
+SEGMENTS = ["v1", "chat", "completions", "models", "tokenize", ".", "..", "%2e", "%2E", "%2f", "", "%00", "a"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=6), st.sampled_from(["GET", "POST", "DELETE"]))
+async def test_any_path_is_gated_passed_canonically_or_refused(parts, method):
+    from conftest import FakeVLLM
+
+    fake = FakeVLLM()
+    path = ("/" + "/".join(parts)).encode()
+    async with proxy_client(fake) as (_, state):
+        status, _ = await raw_request(create_app(state, health_checks=False), method, path,
+                                      json.dumps(chat("hi")).encode())
+    assert status < 500
+    for req in fake.requests:
+        sent = req.url.raw_path.split(b"?")[0]
+        assert sent == path, (path, sent)  # exactly what the client asked for
+        assert not any(seg in (b".", b"..") or b"%" in seg for seg in sent.split(b"/"))
+        if sent in (b"/v1/chat/completions", b"/v1/completions"):
+            assert method == "POST"  # through the gate
+
+
+async def test_the_frameworks_own_errors_are_openai_shaped(fake):
+    async with proxy_client(fake) as (c, _):
+        r = await c.get("/nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+# ------------------------------------------------- clients steering their class
+async def test_a_client_cannot_declare_itself_interactive_by_default(fake):
+    async with proxy_client(fake, large_prefill_tokens=1000) as (c, state):
+        b = await hold_stream(c, fake)
+        held = asyncio.create_task(c.post(CHAT, json=chat("x" * 40_000), headers={"x-prefill-gate-class": "interactive"}))
+        await asyncio.sleep(0.1)
+        assert state.policy.queue_depth == 1  # held, header or not
+        fake.release.set()
+        await asyncio.gather(b, held)
+    fake.release.clear()
+    async with proxy_client(fake, large_prefill_tokens=1000, class_header="any") as (c, state):
+        b = await hold_stream(c, fake)
+        r = await c.post(CHAT, json=chat("x" * 40_000), headers={"x-prefill-gate-class": "interactive"})
+        assert r.status_code == 200 and state.policy.queue_depth == 0  # trusted clients may
+        fake.release.set()
+        await b
+
+
+# ------------------------------------------------------------ 500s on bad bytes
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}',
+    b'{"model":"m","messages":[{"role":"\\udfff","content":"x"}]}',
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":' + b"[" * 990 + b"]" * 990 + b"}",
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":' + b"[" * 5000 + b"]" * 5000 + b"}",
+])
+async def test_bad_bytes_are_a_400_not_a_500(fake, raw):
+    async with proxy_client(fake) as (c, _):
+        r = await c.post(CHAT, content=raw)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+
+
+async def test_a_header_byte_over_0x7f_passes_through(fake):
+    async with proxy_client(fake) as (c, _):
+        r = await c.post(CHAT, json=chat("hi"), headers={"x-note": "caf\xe9".encode("latin-1")})
+        assert r.status_code == 200
+        assert fake.requests[-1].headers.raw[-1] == (b"x-note", b"caf\xe9") or \
+            (b"x-note", b"caf\xe9") in fake.requests[-1].headers.raw
+
+
+# ---------------------------------------------------------- a hostile upstream
+def test_an_event_that_never_ends_is_bounded_and_linear():
+    s = SSESplitter(limit=4 * 1024 * 1024)
+    t = time.process_time()
+    with pytest.raises(UpstreamProtocolError):
+        for _ in range(100_000):  # 1 KiB at a time, never a blank line: quadratic took minutes
+            s.feed(b"data: " + b"x" * 1018)
+    assert time.process_time() - t < 2.0
+    s = SSESplitter()
+    for _ in range(2000):
+        assert s.feed(b"x" * 1000) == []
+    assert s.feed(b"\n\n")[0].endswith(b"x\n\n")
+
+
+@pytest.mark.parametrize("kind", ["endless_event", "huge_json", "many_headers", "drip"])
+async def test_a_hostile_upstream_gets_a_bounded_answer(kind):
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        if kind == "endless_event":
+            writer.write(HEAD_SSE)
+            while True:
+                writer.write(chunk(b"x" * 65536))
+                await writer.drain()
+        elif kind == "huge_json":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(chunk(b" " * 65536))
+                await writer.drain()
+        elif kind == "many_headers":
+            writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(100_000)) + b"\r\n")
+            await writer.drain()
+        else:  # one byte of a never-ending event every 0.2 s: never silent past read_timeout
+            writer.write(HEAD_SSE)
+            while True:
+                writer.write(chunk(b"x"))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    async with Server(handler) as srv:
+        settings_ = {"upstreams": [srv.url], "max_upstream_event_bytes": 1 << 20,
+                     "max_upstream_body_bytes": 4 << 20, "max_request_seconds": 2.0}
+        state = build_state(load_settings(settings_, environ={}), registry=CollectorRegistry())
+        app = create_app(state, health_checks=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p", timeout=30) as c:
+            t = time.monotonic()
+            r = await c.post(CHAT, json=chat("hi", stream=kind != "huge_json"))
+            took = time.monotonic() - t
+        assert took < 5.0
+        if r.status_code == 200:  # the stream started: it ends with an error event
+            assert b'"error"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
+        else:
+            assert r.status_code in (502, 504) and "error" in r.json()
+
+
+async def test_an_unsolicited_answer_on_a_pooled_connection_reaches_nobody():
+    async def handler(reader, writer, srv):
+        n = 0
+        while True:
+            await read_request(reader)
+            n += 1
+            body = b'{"n":%d}' % n
+            answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            writer.write(answer)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n{"n":666}')  # nobody asked
+            await writer.drain()
+
+    from proxy.fasthttp import FastTransport
+
+    async with Server(handler) as srv:
+        async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
+            first = await c.post(srv.url, content=b"{}")
+            await asyncio.sleep(0.2)
+            second = await c.post(srv.url, content=b"{}")
+        assert first.json() == {"n": 1} and second.json() == {"n": 1}  # a fresh connection
+        assert srv.connections == 2
+
+
+# ------------------------------------------------------------------ the rest
+def test_upstream_urls_with_credentials_are_refused():
+    with pytest.raises(SettingsError, match="credentials"):
+        load_settings({"upstreams": ["http://user:secret@vllm:8000"]}, environ={})
+
+
+async def test_queued_bodies_are_bounded_in_bytes(fake):
+    async with proxy_client(fake, large_prefill_tokens=1000, max_queued_bytes=100_000) as (c, state):
+        b = await hold_stream(c, fake)
+        first = asyncio.create_task(c.post(CHAT, json=chat("x" * 60_000)))
+        await asyncio.sleep(0.1)
+        r = await c.post(CHAT, json=chat("y" * 60_000))
+        assert r.status_code == 429 and "max_queued_bytes" in r.json()["error"]["message"]
+        fake.release.set()
+        await asyncio.gather(b, first)
+
+
+async def test_an_upstream_redirect_does_not_leak_its_address(fake):
+    from conftest import response
+
+    async def redirecting(request):
+        if request.url.path == "/v1/models":
+            return response(307, {"moved": True}, headers={"location": UPSTREAM + "/v1/models/"})
+        return await fake(request)
+
+    async with proxy_client(redirecting) as (c, _):
+        r = await c.get("/v1/models")
+        assert r.status_code == 307 and r.headers["location"] == "/v1/models/"
+
+
+def test_logs_keep_no_query_strings_and_no_tracebacks_for_bad_http():
+    import logging
+
+    from proxy.cli import _one_line_for_bad_http, _strip_query
+
+    rec = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                            ("1.2.3.4:5", "GET", "/v1/models?api_key=secret", "1.1", 200), None)
+    assert _strip_query(rec) and "secret" not in rec.getMessage() and "/v1/models?..." in rec.getMessage()
+    try:
+        raise ValueError("bad chunk size")
+    except ValueError:
+        import sys
+
+        rec = logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, "Invalid HTTP request received.", (),
+                                sys.exc_info())
+    assert _one_line_for_bad_http(rec) and rec.exc_info is None
