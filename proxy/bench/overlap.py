@@ -173,6 +173,21 @@ def _trace_json(t: Trace, t0: float) -> dict:
             "error": t.error}
 
 
+async def discover(client: httpx.AsyncClient, base_url: str, model: str | None) -> tuple[str, str | None]:
+    """The model to ask for (the first of /v1/models unless given) and the server's version."""
+    if model is None:
+        r = await client.get(base_url + "/v1/models")
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    version = None
+    try:
+        r = await client.get(base_url + "/version")
+        version = r.json().get("version") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return model, version
+
+
 async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Shape(), runs: int = 1,
                       seed: int | None = None, progress: bool = True, timeout: float = 600.0) -> dict:
     """Run the seed shape ``runs`` times. ``seed`` None: fresh text on every call (an
@@ -181,16 +196,7 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
     seed = random.SystemRandom().randrange(1 << 30) if seed is None else seed
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
-        if model is None:
-            r = await client.get(base_url + "/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        server_version = None
-        try:
-            r = await client.get(base_url + "/version")
-            server_version = r.json().get("version") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            pass
+        model, server_version = await discover(client, base_url, model)
         maker = PromptMaker(client, base_url, model, seed)
         per_run, raw = [], []
         for i in range(runs):
