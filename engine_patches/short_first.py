@@ -103,8 +103,10 @@ class ShortFirst:
 
     def split_running(self, prefills: list, short_tokens: int) -> tuple[list, list]:
         """Running prefills as (short, long), each in running order."""
-        short = [r for r in prefills if self.remaining(r) <= short_tokens]
-        return short, [r for r in prefills if self.remaining(r) > short_tokens]
+        short, long = [], []
+        for r in prefills:
+            (short if self.remaining(r) <= short_tokens else long).append(r)
+        return short, long
 
     def arrange(self, *, cap: int, short_run: list, long_run: list, short_tokens: int,
                 long_min_share: float, block_size: int | None) -> Arrangement | None:

@@ -22,8 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import AdmissionPolicy, Limits, Slicing, Ticket, UpstreamState
 from .capabilities import MAX_METRICS_BYTES, Capabilities, parse_cache_config
@@ -195,8 +195,8 @@ async def _health_loop(state: AppState) -> None:
         for u, ok in zip(ups, results):
             state.mark_health(u, ok)
         if state.settings.slicing != "off":
-            caps = await asyncio.gather(*(probe_capabilities(state.client, u) for u, ok in zip(ups, results) if ok))
-            for u, c in zip([u for u, ok in zip(ups, results) if ok], caps):
+            up = [u for u, ok in zip(ups, results) if ok]
+            for u, c in zip(up, await asyncio.gather(*(probe_capabilities(state.client, u) for u in up))):
                 state.set_capabilities(u, c)
         await asyncio.sleep(state.settings.health_interval)
 
@@ -292,10 +292,11 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """The framework's own 404 and 405, OpenAI-shaped like every other error."""
-        error = ProxyError(str(exc.detail))
-        error.status, error.code = exc.status_code, "not_found" if exc.status_code == 404 else "http_error"
-        error.type = "invalid_request_error"
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 405:
+            return MethodNotAllowed(str(exc.detail), allow=(exc.headers or {}).get("Allow", "")).response()
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail)).response()
+        return JSONResponse(ProxyError(str(exc.detail)).body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

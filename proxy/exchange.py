@@ -87,9 +87,7 @@ def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containe
         raise BadRequest(f"request body has {containers} JSON objects and arrays (or braces in its text); "
                          f"the limit is {max_containers} (max_json_containers)")
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+        body = json.loads(raw)  # (nesting past the recursion limit: prepare() answers 400)
     except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -232,6 +230,9 @@ class GatedExchange(Exchange):
         self.prefilled = False  # the upstream computed (and so caches) the prompt
         self.observer: StreamObserver | None = None
         self.slice_run: SliceRun | None = None
+        # Gaps of a protected stream size slices and feed auto's prediction; without slicing
+        # the per-chunk path does not pay for them.
+        self._feed_predictor = req.ticket.protected and state.settings.slicing != Slicing.OFF
         cls = req.ticket.cls.value
         self._ttft = state.metrics.ttft.labels(cls)
         self._itl = {True: state.metrics.itl.labels(cls, "true"), False: state.metrics.itl.labels(cls, "false")}
@@ -456,7 +457,7 @@ class GatedExchange(Exchange):
         lease = self.lease
         self._itl[lease.large_prefill_in_flight()].observe(seconds)
         lease.token_gap(seconds)
-        if lease.ticket.protected:
+        if self._feed_predictor:
             self.state.predictor.gap(lease.upstream, seconds)
 
     def finished(self, outcome: Outcome) -> None:

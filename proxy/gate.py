@@ -65,7 +65,6 @@ class Lease:
     def sliced(self, tail_tokens: int) -> None:
         """Slicing is over; the request itself goes to this lease's upstream."""
         self._gate._wake(self._gate.policy.sliced(self.ticket, tail_tokens))
-        self._gate._sync()
 
     async def hold(self) -> None:
         """Slicing could not start: wait in the queue as a held request would (the wait

@@ -248,16 +248,16 @@ class Engine:
         to what the short ones leave them (at least their share of the cap), then short
         running prompts; waiting short prompts move ahead of waiting long ones."""
         cfg = self.config
-        short = [r for r in prefilling if self._remaining(r) <= cfg.pacing_short_tokens]
-        long = [r for r in prefilling if self._remaining(r) > cfg.pacing_short_tokens]
+        left = {id(r): self._remaining(r) for r in prefilling + self.waiting[:256]}
+        short = [r for r in prefilling if left[id(r)] <= cfg.pacing_short_tokens]
+        long = [r for r in prefilling if left[id(r)] > cfg.pacing_short_tokens]
         slots = cfg.max_num_seqs - len(self.running)
-        waiting_short = [r for r in self.waiting[:256] if self._remaining(r) <= cfg.pacing_short_tokens][:slots]
+        waiting_short = [r for r in self.waiting[:256] if left[id(r)] <= cfg.pacing_short_tokens][:slots]
         if not short and not waiting_short:
             return long, set(), cap
         if waiting_short:
-            ids = {id(r) for r in waiting_short}
-            self.waiting[:256] = short_first_order(self.waiting[:256], ids)
-        demand = sum(self._remaining(r) for r in short + waiting_short)
+            self.waiting[:256] = short_first_order(self.waiting[:256], {id(r) for r in waiting_short})
+        demand = sum(left[id(r)] for r in short + waiting_short)
         reserve = reserve_for_short(cap, demand, bool(long), cfg.pacing_long_min_share)
         return long + short, {r.id for r in long}, cap - reserve
 
