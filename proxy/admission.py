@@ -23,8 +23,10 @@ hold may instead be *sliced* on an upstream that can (``can_slice``: prefix cach
 ``/tokenize``) and has no other slicer: the proxy warms the engine's prefix cache with
 growing prefixes of the prompt, one small request at a time, then sends the request
 itself, whose prefill is then only the tail. ``on`` slices whenever it would hold; ``auto``
-asks ``chooser(ticket, upstream)`` (the predicted finish of holding against slicing). A
-sliced request is never rerouted: its prefix is cached where it was sliced.
+asks ``chooser(ticket, upstream)`` (the predicted finish of holding against slicing). With
+``slice_idle`` a prompt is sliced even where it could run whole (nothing protected live), so
+that interactive requests arriving during its prefill are not stalled behind it. A sliced
+request is never rerouted: its prefix is cached where it was sliced.
 
 A ticket's life: QUEUED? -> SLICING? -> PREFILLING -> DECODING? -> DONE (a slicer that
 cannot tokenize goes back: SLICING -> QUEUED). Every transition updates the counters of
@@ -83,6 +85,7 @@ class Limits:
     itl_window: float = 1.0  # seconds per AIMD decision
     itl_min_samples: int = 10  # a window decides only with at least this many gaps
     slicing: Slicing = Slicing.OFF
+    slice_idle: bool = False  # slice also when nothing protected is live (arrivals' first tokens)
 
 
 @dataclass(eq=False)
@@ -119,6 +122,7 @@ class UpstreamState:
     live_decodes: int = 0  # protected requests in their decode phase
     large_in_flight: int = 0  # large prefills still prefilling
     prefill_tokens: int = 0  # estimated prompt tokens of requests still prefilling
+    prefilling: int = 0  # requests admitted here and still prefilling (no first chunk yet)
     budget_tokens: int = 0  # closed loop: in-flight prefill tokens allowed next to decodes
     itl_p95: float | None = None  # closed loop: the last decided window's p95 gap
     can_slice: bool = False  # prefix caching on and /tokenize answers (probed by the app)
@@ -323,6 +327,7 @@ class AdmissionPolicy:
         new = min(others, key=lambda u: (u.large_in_flight, u.live_decodes, u.active))
         ticket.upstream = new.name
         new.active += 1
+        new.prefilling += 1
         new.prefill_tokens += ticket.tokens
         if ticket.cls is RequestClass.LARGE:
             new.large_in_flight += 1  # (never sliced: see above)
@@ -353,8 +358,9 @@ class AdmissionPolicy:
         ok = [
             u
             for u in self.upstreams.values()
-            if u.healthy and u.large_in_flight < lim.max_large_in_flight and (
-                u.live_decodes <= lim.max_decodes_for_large
+            if u.healthy and u.large_in_flight < lim.max_large_in_flight
+            and (u.slicer is None or not lim.slice_idle)  # slice_idle: none runs whole beside a slicer
+            and (u.live_decodes <= lim.max_decodes_for_large
                 or (lim.itl_slo is not None and u.prefill_tokens + tokens <= u.budget_tokens))
         ]
         if not ok:
@@ -373,11 +379,13 @@ class AdmissionPolicy:
         ticket.upstream = up.name
         ticket.admitted_at = self.clock()
         up.active += 1
+        up.prefilling += 1
         up.prefill_tokens += ticket.tokens
         if ticket.cls is RequestClass.LARGE and not ticket.sliced:
             up.large_in_flight += 1
 
     def _end_prefill(self, up: UpstreamState, ticket: Ticket) -> None:
+        up.prefilling -= 1
         up.prefill_tokens -= ticket.tokens
         if ticket.cls is RequestClass.LARGE and not ticket.sliced:
             up.large_in_flight -= 1
@@ -404,11 +412,16 @@ class AdmissionPolicy:
         admitted = []
         while self._queue:
             head = self._queue[0]
-            up = self._eligible(head)
+            if self.limits.slice_idle:  # slicing first: a prompt that could run whole is sliced too
+                slicer = self._slicer_for(head)
+                up = None if slicer is not None else self._eligible(head)
+            else:
+                up = self._eligible(head)
+                slicer = None if up is not None else self._slicer_for(head)
             if up is not None:
                 self._dequeue(head)
                 self._admit(head, up)
-            elif (up := self._slicer_for(head)) is not None:
+            elif (up := slicer) is not None:
                 self._dequeue(head)
                 head.phase = Phase.SLICING
                 head.upstream = up.name

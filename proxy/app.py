@@ -143,11 +143,12 @@ def build_state(
         budget_start_tokens=settings.closed_loop_start_tokens,
         budget_step_tokens=settings.closed_loop_step_tokens,
         slicing=Slicing(settings.slicing),
+        slice_idle=settings.slice_when_idle,
     )
     policy = AdmissionPolicy(settings.upstreams, limits)
     predictor = Predictor(settings.upstreams, slice_gap_s=settings.slice_gap_ms / 1000,
                           max_gap_s=settings.max_gap_ms / 1000, min_slice_tokens=settings.min_slice_tokens,
-                          max_slice_tokens=settings.max_slice_tokens)
+                          max_slice_tokens=settings.max_slice_tokens, slice_idle=settings.slice_when_idle)
     client = UpstreamClient(
         settings.upstreams,
         connect_timeout=settings.connect_timeout,

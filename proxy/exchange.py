@@ -312,12 +312,14 @@ class GatedExchange(Exchange):
         run = await run_slices(ids, caps.block_size, predictor.sizer(upstream), send, model=req.model or None,
                                cache_salt=req.cache_salt, deadline=req.ticket.deadline,
                                window=lambda: predictor.window_start(upstream),
-                               window_max=lambda: predictor.window_max(upstream))
+                               window_max=lambda: predictor.window_max(upstream),
+                               settle=lambda: st.gate.prefills_settled(upstream, st.settings.slice_settle_ms / 1000))
         self.slice_run = run
         m = st.metrics
         m.slices.labels(upstream).inc(run.slices)
         m.slice_tokens.labels(upstream).inc(run.tokens)
         m.slicing_seconds.observe(run.seconds)
+        m.slice_settle_seconds.labels(upstream).inc(run.settling_s)
         predictor.slice_done(upstream, run.tokens, run.seconds)
         if run.stopped:
             log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,

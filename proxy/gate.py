@@ -84,6 +84,7 @@ class Gate:
         self.policy = policy
         self.metrics = metrics
         self._waiters: dict[int, asyncio.Future] = {}
+        self._settle_waiters: dict[str, list[asyncio.Future]] = {}  # prefills_settled()
 
     def waiting(self, ticket: Ticket) -> tuple[int, float] | None:
         """(place in the queue, seconds until its wait bound) while queued; else None."""
@@ -142,6 +143,26 @@ class Gate:
             self._waiters.pop(ticket.id, None)
             self._sync()
 
+    async def prefills_settled(self, upstream: str, timeout: float) -> float:
+        """Wait until no request admitted to ``upstream`` is still prefilling, at most
+        ``timeout`` seconds; returns the seconds waited. A slicer waits here before each
+        slice so that a slice and an interactive prompt's prefill do not share an engine
+        step (their costs add up in the streams' gap)."""
+        if self.policy.upstreams[upstream].prefilling <= 0 or timeout <= 0:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        fut = loop.create_future()
+        self._settle_waiters.setdefault(upstream, []).append(fut)
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fut), timeout)
+        finally:
+            waiters = self._settle_waiters.get(upstream, [])
+            if fut in waiters:
+                waiters.remove(fut)
+        return loop.time() - start
+
     def set_health(self, upstream: str, healthy: bool) -> None:
         """An upstream came back (queued tickets may start there) or went away."""
         self._wake(self.policy.set_health(upstream, healthy))
@@ -161,7 +182,14 @@ class Gate:
             self.metrics.queue_wait.labels(decision).observe(self.policy.clock() - ticket.arrived)
 
     def _sync(self) -> None:
-        """Copy the policy's counters into the gauges (a handful of upstreams: cheap)."""
+        """After every transition: wake the slicers waiting for their upstream's prefills
+        to settle, and copy the policy's counters into the gauges (a handful of upstreams:
+        cheap)."""
+        for name, waiters in self._settle_waiters.items():
+            if waiters and self.policy.upstreams[name].prefilling <= 0:
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
         m = self.metrics
         if m is None:
             return

@@ -83,6 +83,10 @@ class Metrics:
                                     ["upstream"], registry=r)
         self.slicing_seconds = Histogram(p + "slicing_seconds", "Time a prompt spent being sliced.",
                                          buckets=_WAIT, registry=r)
+        self.slice_settle_seconds = Counter(
+            p + "slice_settle_seconds_total",
+            "Time slicers waited for other requests' prefills on the upstream to end before a slice.",
+            ["upstream"], registry=r)
         self.slice_misses = Counter(
             p + "slice_cache_miss_tokens_total",
             "Sliced prompt tokens the upstream did not serve from its cache to the final request "

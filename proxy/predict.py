@@ -16,7 +16,9 @@ admission policy's chooser in ``slicing: auto``:
 
 Slice when slicing is predicted to finish first and it keeps the gap promise
 (``max_gap_ms``): a slicer that ran at its smallest size and still saw a protected gap
-over the promise disqualifies itself there for ``PROMISE_COOLDOWN_S``.
+over the promise disqualifies itself there for ``PROMISE_COOLDOWN_S``. With
+``slice_when_idle``, slice also when nothing protected is live (holding would admit the
+prompt at once, whole, and stall the first tokens of requests arriving meanwhile).
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class _Upstream:
 
 class Predictor:
     def __init__(self, upstreams, *, slice_gap_s: float, max_gap_s: float, min_slice_tokens: int,
-                 max_slice_tokens: int, clock: Callable[[], float] = time.monotonic):
+                 max_slice_tokens: int, slice_idle: bool = False, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
+        self.slice_idle = slice_idle  # slice also when nothing protected is live
         self.max_gap_s = max_gap_s
         self._ups = {u: _Upstream(sizer=SliceSizer(slice_gap_s, min_slice_tokens, max_slice_tokens,
                                                    tokens=max(min_slice_tokens, min(512, max_slice_tokens))))
@@ -171,6 +174,8 @@ class Predictor:
         if now < up.broken_until:
             return Choice(False, math.nan, math.nan, slice_s, "slicing broke the gap promise here recently")
         if not up.streams:
+            if self.slice_idle:
+                return Choice(True, 0.0, alone_s, slice_s, "no protected stream live: slicing keeps arrivals fast")
             return Choice(False, 0.0, alone_s, slice_s, "no protected stream live")
         live_end_s = max(self.remaining_tokens(s) for s in up.streams.values()) * up.gap_s
         hold_s = max(live_end_s, self.busy_period_s(upstream))

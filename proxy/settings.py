@@ -79,6 +79,17 @@ class Settings(BaseModel):
         description="Slicing auto: the worst protected gap accepted; an upstream where even the "
         "smallest slice exceeds it is held for 30 s.",
     )
+    slice_settle_ms: float = Field(
+        100.0, ge=0,
+        description="Slicing: before each slice, wait up to this long for other requests' prefills "
+        "on the upstream to end (a slice and a prompt in one engine step add up in the streams' gap; "
+        "0: do not wait).",
+    )
+    slice_when_idle: bool = Field(
+        False,
+        description="Slicing: slice a large prompt also when no protected stream is live (instead "
+        "of admitting it whole), so requests arriving during its prefill are not stalled behind it.",
+    )
     min_slice_tokens: int = Field(256, ge=1, description="Slicing: the smallest slice (rounded up to a KV block).")
     max_slice_tokens: int = Field(4096, ge=1, description="Slicing: the largest slice.")
     sse_keepalive: float = Field(

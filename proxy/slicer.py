@@ -16,7 +16,10 @@ endpoint renders the prompt with; a request carrying what ``/tokenize`` cannot e
 
 Slice sizes follow the protected streams: after each slice the largest gap a protected
 stream on that upstream saw while it ran moves the size toward ``slice_gap_ms``, within
-``[min_slice_tokens, max_slice_tokens]``, in whole KV blocks (``SliceSizer``).
+``[min_slice_tokens, max_slice_tokens]``, in whole KV blocks (``SliceSizer``). A slice
+waits (at most ``slice_settle_ms``) until no other request on its upstream is prefilling:
+an interactive prompt's prefill in the same engine step would add its cost to the slice's
+in the streams' gap, and the slice would delay that request's first token.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class SliceRun:
     tokens: int = 0  # the prefix length the slices covered
     seconds: float = 0.0
     stopped: str = ""  # why slicing ended before the last whole block ("" if it did not)
+    settling_s: float = 0.0  # waited for other requests' prefills to end before slices
 
 
 SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream answered 200
@@ -142,10 +146,13 @@ SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream a
 async def run_slices(ids: list[int], block: int, sizer: SliceSizer, send: SendSlice, *,
                      model: str | None, cache_salt: str | None, deadline: float,
                      window: Callable[[], None], window_max: Callable[[], float | None],
+                     settle: Callable[[], Awaitable[float]] | None = None,
                      clock: Callable[[], float] = time.monotonic) -> SliceRun:
     """Send slices until the last whole block before the prompt's end is covered (the
-    final request computes the rest, at least one token). ``window()`` starts a slice's
-    gap window, ``window_max()`` reads it. Stops early at ``deadline`` or a failed slice."""
+    final request computes the rest, at least one token). ``settle()`` is awaited before
+    each slice (other requests' prefills end first; it returns the seconds waited),
+    ``window()`` starts a slice's gap window, ``window_max()`` reads it. Stops early at
+    ``deadline`` or a failed slice."""
     run = SliceRun()
     last = (len(ids) - 1) // block * block
     if last <= 0:
@@ -161,6 +168,8 @@ async def run_slices(ids: list[int], block: int, sizer: SliceSizer, send: SendSl
         if clock() >= deadline:
             run.stopped = "deadline"
             break
+        if settle is not None:
+            run.settling_s += await settle()
         end = min(last, run.tokens + sizer.size(block))
         window()
         ok = await send(head + b',"prompt":' + prefixes.json(end) + b"}")

@@ -107,6 +107,7 @@ class PolicyMachine(RuleBasedStateMachine):
             assert u.live_decodes == sum(t.phase is Phase.DECODING and t.protected for t in mine)
             assert u.large_in_flight == sum(t.cls is RequestClass.LARGE for t in prefilling)
             assert u.prefill_tokens == sum(t.tokens for t in prefilling)
+            assert u.prefilling == len(prefilling)
             assert u.budget_tokens >= 0
 
     @invariant()

@@ -28,6 +28,13 @@ def test_nothing_live_means_admit_whole_not_slice():
     assert not c.slice and c.hold_s == 0
 
 
+def test_slice_when_idle_slices_with_nothing_live_too():
+    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                  slice_idle=True, clock=Clock())
+    c = p.choose("u", 20_000)
+    assert c.slice and "arrivals" in c.reason
+
+
 def test_streams_about_to_end_are_waited_for():
     p = predictor()
     stream(p, 1, max_tokens=100, done=90)

@@ -108,6 +108,24 @@ async def test_slicing_stops_at_a_failed_slice_and_at_the_deadline():
     assert run.stopped == "deadline"
 
 
+async def test_each_slice_waits_for_settle_first():
+    events = []
+
+    async def settle() -> float:
+        events.append("settle")
+        return 0.25
+
+    async def send(body: bytes) -> bool:
+        events.append("slice")
+        return True
+
+    sizer = SliceSizer(0.03, 256, 256, 256)
+    run = await run_slices(list(range(1000)), 16, sizer, send, model=None, cache_salt=None, deadline=float("inf"),
+                           window=lambda: events.append("window"), window_max=lambda: None, settle=settle)
+    assert events == ["settle", "window", "slice"] * run.slices and run.slices == 4
+    assert run.settling_s == 0.25 * run.slices
+
+
 def test_slice_size_follows_the_gaps_in_whole_blocks():
     s = SliceSizer(target_s=0.030, min_tokens=100, max_tokens=2048, tokens=512)
     s.after(0.060)  # twice the target: halve
@@ -202,6 +220,53 @@ def test_auto_asks_the_chooser_and_asks_again_as_things_change():
     p.finish(b), p.finish(b2)
 
 
+def test_slice_idle_slices_with_nothing_live_and_runs_nothing_whole_beside_a_slicer():
+    p = AdmissionPolicy(["u1"], Limits(slicing=Slicing.ON, slice_idle=True), clock=lambda: 0.0)
+    p.upstreams["u1"].can_slice = True
+    a1, a2, plain = long_ticket(), long_ticket(), long_ticket(sliceable=False)
+    assert p.submit(a1) is Decision.SLICING  # nothing live: sliced anyway
+    assert p.submit(a2) is Decision.QUEUED  # not whole beside the slicer
+    p.sliced(a1, 10)
+    assert a2.phase is Phase.SLICING
+    p.finish(a1), p.sliced(a2, 10), p.finish(a2)
+    assert p.submit(plain) is Decision.ADMITTED  # what cannot be sliced runs whole when idle
+    # and without slice_idle the same idle upstream admits it whole
+    q = slicing_policy()
+    assert q.submit(long_ticket()) is Decision.ADMITTED
+
+
+def test_prefilling_counts_requests_without_their_first_chunk():
+    p = slicing_policy()
+    b = Ticket(RequestClass.INTERACTIVE, 0)  # a fully cached prompt: no tokens, still prefilling
+    p.submit(b)
+    up = p.upstreams["u1"]
+    assert (up.prefilling, up.prefill_tokens) == (1, 0)
+    p.start_decoding(b)
+    assert up.prefilling == 0
+    p.finish(b)
+
+
+async def test_prefills_settled_waits_for_first_chunks_within_its_bound():
+    from proxy.gate import Gate
+
+    p = slicing_policy()
+    gate = Gate(p)
+    assert await gate.prefills_settled("u1", 1.0) == 0.0  # nothing prefilling: no wait
+    b = Ticket(RequestClass.INTERACTIVE, 300)
+    async with gate.admission(b) as lease:
+        waiter = asyncio.create_task(gate.prefills_settled("u1", 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        lease.decoding()  # its first chunk: the prefill is over
+        waited = await asyncio.wait_for(waiter, 1.0)
+        assert 0.04 < waited < 1.0
+    c = Ticket(RequestClass.INTERACTIVE, 300)
+    async with gate.admission(c):  # never decodes (a non-streaming answer): the bound ends the wait
+        waited = await gate.prefills_settled("u1", 0.1)
+        assert 0.09 < waited < 0.5
+    assert not gate._settle_waiters["u1"]
+
+
 def test_a_sliced_request_is_never_rerouted():
     p = slicing_policy(upstreams=("u1", "u2"))
     live_stream(p), live_stream(p)  # one on each (interactive goes to the least active)
@@ -229,12 +294,16 @@ COST = CostModel(base=0.005, per_prefill_token=5e-5)
 @pytest.fixture
 async def sliced_stack(request):
     caching = getattr(request, "param", True)
-    engine = Engine(EngineConfig(max_num_batched_tokens=8192, enable_prefix_caching=caching), COST)
+    budget = 8192 if isinstance(caching, bool) else caching  # an int param: a small step budget
+    engine = Engine(EngineConfig(max_num_batched_tokens=budget, enable_prefix_caching=bool(caching)), COST)
     prompts = []
     add = engine.add
 
     def recording(req, token_ids=False):
-        prompts.append((list(req.prompt), token_ids))
+        # and, for a slice, how many other requests were prefilling when it arrived
+        others = sum(r.prefilling and not getattr(r, "is_slice", False) for r in engine.waiting + engine.running)
+        req.is_slice = token_ids
+        prompts.append((list(req.prompt), token_ids, others))
         return add(req, token_ids)
 
     engine.add = recording
@@ -259,12 +328,12 @@ async def test_a_long_prompt_next_to_a_stream_is_sliced_then_sent_whole(sliced_s
     r = await client.post(CHAT, json=long_chat(stream=False))
     assert r.status_code == 200
     final = render_chat(long_chat()["messages"])
-    slices = [p for p, ids in prompts if ids]
+    slices = [p for p, ids, _ in prompts if ids]
     last = (len(final) - 1) // 16 * 16  # the last whole block before the prompt's end
     assert len(slices) == -(-last // 512) and len(slices[-1]) == last  # 512-token slices up to it
     assert all(s == final[: len(s)] and len(s) % 16 == 0 for s in slices)
     assert [len(s) for s in slices] == sorted(len(s) for s in slices)
-    assert prompts[-1] == (final, False)  # then the client's request, unchanged
+    assert prompts[-1][:2] == (final, False)  # then the client's request, unchanged
     usage = r.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= len(slices[-1])
     reg = state.metrics.registry
@@ -279,17 +348,39 @@ async def test_a_disconnect_mid_slicing_closes_the_slice_and_sends_nothing_more(
     client, state, prompts = sliced_stack
     b_cm, b_it = await start_b(client)
     task = asyncio.create_task(client.post(CHAT, json=long_chat(30_000)))
-    await until(lambda: sum(ids for _, ids in prompts) >= 3)
+    await until(lambda: sum(ids for _, ids, _ in prompts) >= 3)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    sent = sum(ids for _, ids in prompts)
+    sent = sum(ids for _, ids, _ in prompts)
     up = state.policy.upstreams[state.settings.upstreams[0]]
     await until(lambda: up.slicer is None and up.active == 1)  # only B is left
     await asyncio.sleep(0.3)
-    assert sum(ids for _, ids in prompts) == sent  # nothing more was sliced
+    assert sum(ids for _, ids, _ in prompts) == sent  # nothing more was sliced
     await b_cm.__aexit__(None, None, None)
     await until(lambda: up.active == 0 and up.live_decodes == 0)
+
+
+@pytest.mark.parametrize("sliced_stack", [256], indirect=True)
+async def test_slices_wait_for_interactive_prefills_to_end(sliced_stack):
+    """Steps of 256 tokens: an 800-token interactive prompt prefills over four steps, and a
+    slice sent meanwhile would share them (its cost added to the streams' gap)."""
+    client, state, prompts = sliced_stack
+    b_cm, b_it = await start_b(client)
+    task = asyncio.create_task(client.post(CHAT, json=long_chat(30_000, stream=False)))
+    await until(lambda: sum(ids for _, ids, _ in prompts) >= 2)
+    for _ in range(6):  # interactive requests arriving while it is sliced
+        r = await client.post(CHAT, json={**long_chat(3_000, stream=False), "max_tokens": 1})
+        assert r.status_code == 200
+        await asyncio.sleep(0.01)
+    assert (await task).status_code == 200
+    slices = [others for _, ids, others in prompts if ids]
+    interactive = [p for p, ids, _ in prompts if not ids and 2000 < len(p) < 5000]
+    assert len(interactive) == 6 and len(slices) > 6
+    assert slices.count(0) == len(slices)  # no slice arrived while another prompt was prefilling
+    up = state.settings.upstreams[0]
+    assert sample(state.metrics.registry, "prefill_gate_slice_settle_seconds_total", {"upstream": up}) > 0
+    await b_cm.__aexit__(None, None, None)
 
 
 @pytest.mark.parametrize("sliced_stack", [False], indirect=True)
@@ -302,7 +393,7 @@ async def test_an_upstream_without_prefix_caching_holds(sliced_stack):
     await until(lambda: state.policy.queue_depth == 1)  # held
     await b_cm.__aexit__(None, None, None)
     assert (await task).status_code == 200
-    assert not any(ids for _, ids in prompts)
+    assert not any(ids for _, ids, _ in prompts)
 
 
 async def test_when_tokenize_fails_the_request_is_held_instead(fake):
