@@ -41,6 +41,7 @@ async def _serve(settings: Settings) -> None:
     import uvicorn
 
     from .app import build_state, create_app
+    from .listener import server_config
 
     servers = []
     if not settings.upstreams:
@@ -62,10 +63,9 @@ async def _serve(settings: Settings) -> None:
              settings.max_queue_wait)
     # uvicorn stops accepting on SIGTERM/SIGINT and waits for open requests; ours end them
     # with an error once shutdown_grace has passed, a little before uvicorn would cut them.
-    proxy = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                          lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace + 5,
-                                          limit_concurrency=settings.max_client_connections,
-                                          timeout_keep_alive=settings.client_idle_timeout))
+    proxy = uvicorn.Server(server_config(app, settings, host=settings.host, port=settings.port,
+                                         log_level=settings.log_level, lifespan="on",
+                                         timeout_graceful_shutdown=settings.shutdown_grace + 5))
     servers.append(proxy.serve())
     if settings.metrics_port is not None:
         from .app import create_metrics_app

@@ -168,6 +168,11 @@ class Settings(BaseModel):
     client_idle_timeout: float = Field(
         5.0, gt=0, description="Seconds an idle client keep-alive connection stays open (uvicorn's timeout_keep_alive)."
     )
+    client_header_timeout: float = Field(
+        10.0, gt=0,
+        description="Seconds a client has to send a request's headers, from connecting or from its "
+        "previous answer (408 and the connection closed after; slow-header clients).",
+    )
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
         "prints one). Set: every path but /health and /metrics needs a listed Bearer key (401 otherwise).",

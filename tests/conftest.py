@@ -153,13 +153,20 @@ async def proxy_client(fake, **settings):
 
 
 @contextlib.asynccontextmanager
-async def serve(app):
-    """A real uvicorn server on a free loopback port, in this event loop."""
+async def serve(app, settings=None):
+    """A real uvicorn server on a free loopback port, in this event loop (with ``settings``:
+    configured as ``prefill-gate serve`` configures its listener)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    if settings is None:
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    else:
+        from proxy.listener import server_config
+
+        config = server_config(app, settings, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from conftest import CHAT, UPSTREAM, chat, hold_stream, proxy_client, serve
+from conftest import CHAT, UPSTREAM, chat, hold_stream, make_state, proxy_client, serve
 from proxy.app import build_state, create_app
 from proxy.prefix_memory import PER_REQUEST, PrefixMemory, prefix_hashes
 from proxy.relay import SSESplitter
@@ -323,3 +323,46 @@ def test_logs_keep_no_query_strings_and_no_tracebacks_for_bad_http():
         rec = logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, "Invalid HTTP request received.", (),
                                 sys.exc_info())
     assert _one_line_for_bad_http(rec) and rec.exc_info is None
+
+
+# ------------------------------------------------------- slow clients on the listener
+async def _read_all(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)  # until the server closes
+
+
+async def test_slow_or_silent_request_heads_get_408_and_are_closed(fake):
+    """A client that connects and sends nothing, or its headers a byte at a time, held a
+    socket forever (uvicorn has no deadline for a request head)."""
+    state = make_state(httpx.MockTransport(fake), client_header_timeout=0.3, client_idle_timeout=5.0)
+    async with serve(create_app(state, health_checks=False), state.settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        slow = await asyncio.open_connection("127.0.0.1", port)
+        head = b"GET /health HTTP/1.1\r\nhost: x\r\nx-filler: " + b"a" * 40
+        start = time.monotonic()
+        for i in range(0, 32, 4):  # a few bytes every 20 ms, then a pause: never a complete head
+            slow[1].write(head[i:i + 4])
+            await asyncio.sleep(0.02)
+        for reader, _ in (silent, slow):
+            answer = await _read_all(reader, 2.0)
+            assert answer.startswith(b"HTTP/1.1 408") and b"client_header_timeout" in answer
+        assert time.monotonic() - start < 1.5
+        for _, writer in (silent, slow):
+            writer.close()
+
+
+async def test_the_head_deadline_spares_slow_bodies_and_rearms_per_request(fake):
+    state = make_state(httpx.MockTransport(fake), client_header_timeout=0.3, client_idle_timeout=5.0)
+    async with serve(create_app(state, health_checks=False), state.settings) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        body = json.dumps({"model": "m", "messages": "not a list"}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 8):  # the body over ~0.6 s: past the head deadline
+            await asyncio.sleep(0.1)
+            writer.write(body[i:i + 8])
+        answer = await asyncio.wait_for(reader.readuntil(b"}}"), 2.0)
+        assert answer.startswith(b"HTTP/1.1 400")  # answered, not cut off with 408
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n")  # the next request's head, never finished
+        assert (await _read_all(reader, 2.0)).startswith(b"HTTP/1.1 408")
+        writer.close()

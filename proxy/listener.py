@@ -1,0 +1,85 @@
+"""The client-facing HTTP server: uvicorn, with the bounds a public listener needs.
+
+uvicorn closes idle keep-alive connections (``client_idle_timeout``) and caps
+connections plus requests (``max_client_connections``), but it has no deadline for a
+request's head: a client that connects and sends nothing, or sends its headers a byte at
+a time (slowloris), holds a socket for as long as it likes. ``HeadDeadline`` gives each
+request's head ``client_header_timeout`` seconds, from the connection's start or from the
+first byte after the previous answer, and answers 408 and closes the connection when it
+passes. The body is not under that deadline (a large upload may take its time; the
+request's own bounds apply to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import uvicorn
+
+from .settings import Settings
+
+log = logging.getLogger("prefill_gate")
+
+_408_BODY = json.dumps({"error": {"message": "the request's headers did not arrive in time (client_header_timeout)",
+                                  "type": "invalid_request_error", "param": None,
+                                  "code": "request_timeout"}}).encode()
+_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(_408_BODY), _408_BODY))
+
+
+class HeadDeadline:
+    """Mixed into uvicorn's HTTP protocol classes. Both keep the request being answered in
+    ``self.cycle`` and replace it when a new request's headers are complete: the deadline
+    is armed while no head is in progress and disarmed when ``cycle`` changes."""
+
+    header_timeout: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm_head()  # the first bytes of the next request on a keep-alive connection
+        super().data_received(data)  # type: ignore[misc]
+        if self._head_timer is not None and self.cycle is not self._head_cycle:
+            self._disarm_head()  # its headers are complete
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_head(self) -> None:
+        self._head_cycle = self.cycle
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _disarm_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.debug("closing a client connection whose request head took over %g s", self.header_timeout)
+            self.transport.write(_408)
+            self.transport.close()
+
+
+def _protocol_class(header_timeout: float) -> type:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools missing: uvicorn's pure-Python parser
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type("PrefillGateHttp", (HeadDeadline, base), {"header_timeout": header_timeout})
+
+
+def server_config(app: Any, settings: Settings, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's config for the proxy's listener, with every client bound from settings."""
+    return uvicorn.Config(app, http=_protocol_class(settings.client_header_timeout),
+                          limit_concurrency=settings.max_client_connections,
+                          timeout_keep_alive=settings.client_idle_timeout, **kwargs)
