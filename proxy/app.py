@@ -157,6 +157,8 @@ def build_state(
         api_key=settings.upstream_api_key,
         drop_client_auth=settings.api_keys_file is not None,
         transport=transport,
+        max_head_bytes=settings.max_upstream_head_bytes,
+        max_headers=settings.max_upstream_headers,
     )
     state_ref: list[AppState] = []
     estimator = Estimator(

@@ -1,7 +1,10 @@
 """Optional client API keys, stored as hashes.
 
-With ``api_keys_file`` set, every request except ``GET /health`` and ``GET /metrics``
-needs ``Authorization: Bearer <key>`` with a key whose hash is in the file; otherwise 401.
+With ``api_keys_file`` set, every request except ``GET /health`` needs
+``Authorization: Bearer <key>`` with a key whose hash is in the file; otherwise 401.
+``/metrics`` needs a key too (its counters move with each request: the cached-prefix
+credit would tell a stranger whether a guessed prompt was sent before); a scraper without
+one reads them from ``metrics_port``, a listener of its own on a private address.
 The file holds one ``sha256:<hex>`` line per key (``prefill-gate hash-key`` prints one),
 so a leaked file does not leak keys. The client's key is never sent upstream (the
 proxy sends ``upstream_api_key`` there, or no Authorization at all). Every stored hash is
@@ -17,7 +20,7 @@ from pathlib import Path
 
 PREFIX = "sha256:"
 _LINE = re.compile(r"^sha256:[0-9a-f]{64}$")
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health"})
 
 
 def hash_key(key: str) -> str:

@@ -78,10 +78,12 @@ def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
         raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
 
 
-def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containers: int = 200_000) -> dict:
+def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containers: int = 200_000,
+               max_depth: int = 128) -> dict:
     """The body as JSON, after bounds that keep its cost to the event loop bounded: the
     containers are counted before parsing (every '{' and '[', in strings too: an over-count
-    that only errs on the safe side), the messages before anything walks them."""
+    that only errs on the safe side), the nesting after it (where the count allows any), the
+    messages before anything walks them."""
     containers = raw.count(b"{") + raw.count(b"[")
     if containers > max_containers:
         raise BadRequest(f"request body has {containers} JSON objects and arrays (or braces in its text); "
@@ -92,6 +94,8 @@ def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containe
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    if containers > max_depth and _deeper_than(body, max_depth):
+        raise BadRequest(f"request body nests JSON objects and arrays more than {max_depth} deep (max_json_depth)")
     _check(body, "model", (str,))
     _check(body, "stream", (bool,))
     _check(body, "stream_options", (dict,))
@@ -108,6 +112,20 @@ def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containe
     else:
         _check(body, "prompt", (str, list), required=True)
     return body
+
+
+def _deeper_than(value: dict | list, limit: int) -> bool:
+    """Whether containers nest more than ``limit`` deep (level by level, no recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below = []
+        for v in level:
+            below.extend(x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list)
+        level = below
+    return False
 
 
 def classify(estimate: Estimate, threshold: int, override: str | None, allowed: str = "any") -> RequestClass:
@@ -179,9 +197,11 @@ async def prepare(state: "AppState", request: "Request", endpoint: str) -> Gated
 async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: bytes,
                    received_at: float) -> GatedRequest:
     settings = state.settings
-    body = parse_body(raw, endpoint, settings.max_messages, settings.max_json_containers)
+    body = parse_body(raw, endpoint, settings.max_messages, settings.max_json_containers, settings.max_json_depth)
     model = body.get("model") or ""
-    prefixes = prefix_hashes(body["messages"]) if endpoint == "chat" else None
+    salt = body.get("cache_salt")
+    salt = salt if isinstance(salt, str) else None
+    prefixes = prefix_hashes(body["messages"], salt) if endpoint == "chat" else None
     hit = state.prefix_memory.longest(prefixes) if prefixes else None
     estimate = await state.estimator.estimate(shape_of(body, endpoint), model, cached=hit.tokens if hit else 0)
     cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
@@ -213,11 +233,9 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
     state.metrics.cached_tokens.observe(estimate.cached)
     prefix_tokens = state.estimator.message_tokens(body["messages"], model) if prefixes else None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    salt = body.get("cache_salt")
     return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
                         estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
-                        max_tokens if isinstance(max_tokens, int) else None, slice_payload,
-                        salt if isinstance(salt, str) else None)
+                        max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt)
 
 
 class GatedExchange(Exchange):

@@ -38,7 +38,7 @@ import httptools
 import httpx
 
 HIGH_WATER = 1 << 20  # unread body bytes per connection before the socket is paused
-MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) longer than this is refused
+MAX_HEAD_BYTES = 64 * 1024  # defaults: a response head (status line and headers) longer than this is refused
 MAX_HEADERS = 128
 MAX_INTERIM = 8  # 1xx answers before the real one
 
@@ -50,8 +50,10 @@ class _Closed(Exception):
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection; one response at a time."""
 
-    def __init__(self, origin: tuple) -> None:
+    def __init__(self, origin: tuple, max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
         self.origin = origin
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -90,8 +92,8 @@ class _Connection(asyncio.Protocol):
         self.any_bytes = True
         if not self.head_done:
             self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES + HIGH_WATER:  # the parser's own count below is exact
-                self._fail(httpx.RemoteProtocolError(f"upstream response head over {MAX_HEAD_BYTES} bytes"))
+            if self.head_bytes > self.max_head_bytes + HIGH_WATER:  # the parser's own count below is exact
+                self._fail(httpx.RemoteProtocolError(f"upstream response head over {self.max_head_bytes} bytes"))
                 return
         try:
             self.parser.feed_data(data)
@@ -126,8 +128,9 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
         self._head_size += len(name) + len(value)
-        if len(self.headers) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
-            raise httptools.HttpParserError(f"more than {MAX_HEADERS} headers or {MAX_HEAD_BYTES} bytes of them")
+        if len(self.headers) > self.max_headers or self._head_size > self.max_head_bytes:
+            raise httptools.HttpParserError(f"more than {self.max_headers} headers or {self.max_head_bytes} "
+                                            "bytes of them (max_upstream_headers, max_upstream_head_bytes)")
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -237,7 +240,9 @@ class FastTransport(httpx.AsyncBaseTransport):
     """httpx transport: asyncio + httptools, keep-alive pool per origin."""
 
     def __init__(self, max_connections: int = 4096, max_idle_per_origin: int = 256,
-                 keepalive_expiry: float = 4.0, ssl_context: ssl.SSLContext | None = None) -> None:
+                 keepalive_expiry: float = 4.0, ssl_context: ssl.SSLContext | None = None,
+                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
+        self._head_limits = (max_head_bytes, max_headers)
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._idle: dict[tuple, collections.deque[_Connection]] = {}
         self._max_idle = max_idle_per_origin
@@ -314,7 +319,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             ctx = self._ssl or ssl.create_default_context()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(origin), host, port, ssl=ctx,
+                loop.create_connection(lambda: _Connection(origin, *self._head_limits), host, port, ssl=ctx,
                                        server_hostname=host if ctx else None),
                 connect_timeout)
         except asyncio.TimeoutError:

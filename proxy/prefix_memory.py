@@ -16,9 +16,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def prefix_hashes(messages: list) -> list[bytes]:
-    """h[i] identifies messages[: i + 1] (chained, so equal hashes mean equal prefixes)."""
-    out, h = [], b""
+def prefix_hashes(messages: list, salt: str | None = None) -> list[bytes]:
+    """h[i] identifies messages[: i + 1] (chained, so equal hashes mean equal prefixes). A
+    ``cache_salt`` starts the chain: vLLM shares cached blocks only between requests with the
+    same salt, and so does this memory (nor can one salt's requests learn of another's)."""
+    out = []
+    h = b"" if salt is None else hashlib.blake2b(b"cache_salt\0" + salt.encode(errors="surrogatepass"),
+                                                  digest_size=16).digest()
     for m in messages:
         canon = json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         h = hashlib.blake2b(h + canon, digest_size=16).digest()

@@ -133,6 +133,10 @@ class Settings(BaseModel):
         description="Most JSON objects and arrays in one request body (400 above; counted as '{' and '[' "
         "bytes, strings included), so no body costs the event loop more than a bounded parse.",
     )
+    max_json_depth: int = Field(
+        128, ge=8, le=900,
+        description="Deepest nesting of JSON objects and arrays in a request body (400 above).",
+    )
     max_queued_bytes: int = Field(
         1 << 30, ge=1024, description="Request bodies held in the queue at most, in bytes (429 beyond)."
     )
@@ -144,6 +148,10 @@ class Settings(BaseModel):
     max_upstream_event_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest single SSE event from an upstream (502 above)."
     )
+    max_upstream_head_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest upstream response head (status line and headers; 502 above)."
+    )
+    max_upstream_headers: int = Field(128, ge=8, description="Most headers in an upstream response (502 above).")
     max_request_seconds: float = Field(
         3600.0, gt=0,
         description="Overall bound on one proxied request, queue wait included (504 or an in-stream "
@@ -175,7 +183,7 @@ class Settings(BaseModel):
     )
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
-        "prints one). Set: every path but /health and /metrics needs a listed Bearer key (401 otherwise).",
+        "prints one). Set: every path but /health needs a listed Bearer key (401 otherwise), /metrics too unless it has its own metrics_port.",
     )
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="Serve /metrics on this port (at metrics_host) instead of the API port.",

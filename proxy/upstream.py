@@ -21,7 +21,7 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .fasthttp import FastTransport
+from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
@@ -105,13 +105,16 @@ class UpstreamClient:
         api_key: str | None = None,
         drop_client_auth: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        max_headers: int = MAX_HEADERS,
     ):
         self.urls = list(urls)
         self.api_key = api_key
         self.drop_client_auth = drop_client_auth
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
-            transport=transport or FastTransport(max_connections=max_connections),
+            transport=transport or FastTransport(max_connections=max_connections, max_head_bytes=max_head_bytes,
+                                                 max_headers=max_headers),
             trust_env=False,
             # One client serves every proxied request: it must not keep an upstream's
             # Set-Cookie and send it along with other clients' requests.

@@ -190,6 +190,19 @@ async def test_bad_bytes_are_a_400_not_a_500(fake, raw):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
 
 
+def nested(depth: int) -> bytes:
+    return b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":' + b"[" * depth + b"]" * depth + b"}"
+
+
+async def test_json_depth_is_a_setting(fake):
+    async with proxy_client(fake) as (c, _):
+        assert (await c.post(CHAT, content=nested(100))).status_code == 200
+        r = await c.post(CHAT, content=nested(200))
+        assert r.status_code == 400 and "max_json_depth" in r.json()["error"]["message"]
+    async with proxy_client(fake, max_json_depth=300) as (c, _):
+        assert (await c.post(CHAT, content=nested(200))).status_code == 200
+
+
 async def test_a_header_byte_over_0x7f_passes_through(fake):
     async with proxy_client(fake) as (c, _):
         r = await c.post(CHAT, json=chat("hi"), headers={"x-note": "caf\xe9".encode("latin-1")})
@@ -250,6 +263,26 @@ async def test_a_hostile_upstream_gets_a_bounded_answer(kind):
             assert b'"error"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
         else:
             assert r.status_code in (502, 504) and "error" in r.json()
+
+
+async def test_upstream_head_bounds_are_settings():
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        body = b'{"choices":[]}'
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(40))
+                     + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    async with Server(handler) as srv:
+        for limit, status in ((None, 200), (16, 502)):
+            extra = {} if limit is None else {"max_upstream_headers": limit}
+            state = build_state(load_settings({"upstreams": [srv.url], **extra}, environ={}),
+                                registry=CollectorRegistry())
+            app = create_app(state, health_checks=False)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+                r = await c.post(CHAT, json=chat("hi", stream=False))
+            assert r.status_code == status, (limit, r.text)
+            await state.client.aclose()
 
 
 async def test_an_unsolicited_answer_on_a_pooled_connection_reaches_nobody():

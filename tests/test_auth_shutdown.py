@@ -23,7 +23,7 @@ def keys_file(tmp_path, *keys, extra=""):
     return str(path)
 
 
-async def test_keys_gate_every_path_but_health_and_metrics(tmp_path):
+async def test_keys_gate_every_path_but_health(tmp_path):
     fake = FakeVLLM()
     async with proxy_client(fake, api_keys_file=keys_file(tmp_path, "k-alice", "k-bob")) as (c, state):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -36,12 +36,13 @@ async def test_keys_gate_every_path_but_health_and_metrics(tmp_path):
         assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
         assert not fake.requests  # nothing unauthenticated reached the upstream
         assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 401  # its counters are an oracle for others' prompts
+        assert (await c.get("/metrics", headers={"authorization": "Bearer k-bob"})).status_code == 200
         for key in ("k-alice", "k-bob"):
             r = await c.post(CHAT, json=body, headers={"authorization": f"Bearer {key}"})
             assert r.status_code == 200
         assert all("authorization" not in req.headers for req in fake.requests)  # never forwarded
-        assert sample(state.metrics.registry, "prefill_gate_unauthorized_total") == 6
+        assert sample(state.metrics.registry, "prefill_gate_unauthorized_total") == 7
 
 
 def test_keys_file_errors_name_the_line(tmp_path):

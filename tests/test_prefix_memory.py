@@ -101,3 +101,13 @@ async def test_reported_usage_makes_the_remembered_prefix_exact_and_counts_evict
                                                           {"role": "user", "content": "more"}],
                                      "usage_cached_tokens": 12_300})
         assert reg.get_sample_value("prefill_gate_cache_credit_misses_total") == 1  # held this time
+
+
+def test_a_cache_salt_separates_prefixes_as_vllm_does():
+    plain, salted, other = (prefix_hashes(msgs("a", "b"), salt) for salt in (None, "s1", "s2"))
+    assert len({plain[0], salted[0], other[0]}) == 3  # no salt shares another's prefix
+    assert prefix_hashes(msgs("a", "b"), "s1") == salted
+    mem = PrefixMemory(["u"])
+    mem.remember("u", salted, [10, 20])
+    assert mem.longest(plain) is None and mem.longest(other) is None
+    assert mem.longest(salted).messages == 1  # (the newest message is always prefill)
