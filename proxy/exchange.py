@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from .app import AppState
     from .gate import Lease
+    from .predict import Predictor
 
 log = logging.getLogger("prefill_gate")
 
@@ -156,6 +157,9 @@ def priority_of(body: dict, header: str | None) -> int:
 CREDIT_SLACK_TOKENS = 256
 # A /tokenize answer lists ids: at most this many bytes per byte of the request's body limit.
 TOKEN_IDS_LIMIT_FACTOR = 4
+# After a slice's answer, how long to wait for a protected stream's next chunk (the one
+# that shows the slice's gap): a few decode steps.
+WINDOW_END_WAIT_S = 0.05
 # Upstream answers that mean "not now, not here": another upstream may take the request.
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -236,6 +240,16 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
     return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
                         estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
                         max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt)
+
+
+async def slice_window_end(predictor: "Predictor", upstream: str, wait_s: float = WINDOW_END_WAIT_S) -> float | None:
+    """Close a slice's gap window: its answer and the streams' chunk from the same engine
+    step race to the proxy, so wait (briefly) for a protected stream's next gap first, or
+    the window would miss the very gap the slice caused."""
+    seen, give_up = predictor.gaps_seen(upstream), time.monotonic() + wait_s
+    while predictor.gaps_seen(upstream) == seen and predictor.live(upstream) and time.monotonic() < give_up:
+        await asyncio.sleep(0.001)
+    return predictor.window_max(upstream)
 
 
 class GatedExchange(Exchange):
@@ -330,7 +344,7 @@ class GatedExchange(Exchange):
         run = await run_slices(ids, caps.block_size, predictor.sizer(upstream), send, model=req.model or None,
                                cache_salt=req.cache_salt, deadline=req.ticket.deadline,
                                window=lambda: predictor.window_start(upstream),
-                               window_max=lambda: predictor.window_max(upstream),
+                               window_end=lambda: slice_window_end(predictor, upstream),
                                settle=lambda: st.gate.prefills_settled(upstream, st.settings.slice_settle_ms / 1000))
         self.slice_run = run
         m = st.metrics

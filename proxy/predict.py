@@ -71,6 +71,7 @@ class _Upstream:
     last_start: float | None = None
     duration_s: float = 0.0  # how long a protected stream lasts, on average (0: none ended yet)
     streams: dict[int, _Stream] = field(default_factory=dict)
+    gaps: int = 0  # protected gaps seen so far (a slicer waits for the one its slice caused)
     window: float | None = None  # the largest protected gap since window_start (None: none yet)
     windowing: bool = False
     broken_until: float = -math.inf
@@ -120,12 +121,16 @@ class Predictor:
     def gap(self, upstream: str, seconds: float) -> None:
         """A gap between two chunks of a protected stream (the per-chunk path: O(1))."""
         up = self._ups[upstream]
+        up.gaps += 1
         up.gap_s += EWMA * 0.1 * (seconds - up.gap_s)
         if up.windowing and (up.window is None or seconds > up.window):
             up.window = seconds
 
     def live(self, upstream: str) -> int:
         return len(self._ups[upstream].streams)
+
+    def gaps_seen(self, upstream: str) -> int:
+        return self._ups[upstream].gaps
 
     # ------------------------------------------------------------------ slicing
     def window_start(self, upstream: str) -> None:

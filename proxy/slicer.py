@@ -145,14 +145,15 @@ SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream a
 
 async def run_slices(ids: list[int], block: int, sizer: SliceSizer, send: SendSlice, *,
                      model: str | None, cache_salt: str | None, deadline: float,
-                     window: Callable[[], None], window_max: Callable[[], float | None],
+                     window: Callable[[], None], window_end: Callable[[], Awaitable[float | None]],
                      settle: Callable[[], Awaitable[float]] | None = None,
                      clock: Callable[[], float] = time.monotonic) -> SliceRun:
     """Send slices until the last whole block before the prompt's end is covered (the
     final request computes the rest, at least one token). ``settle()`` is awaited before
     each slice (other requests' prefills end first; it returns the seconds waited),
-    ``window()`` starts a slice's gap window, ``window_max()`` reads it. Stops early at
-    ``deadline`` or a failed slice."""
+    ``window()`` starts a slice's gap window, ``window_end()`` closes it once the streams
+    have shown the slice's gap and answers the largest one. Stops early at ``deadline`` or
+    a failed slice."""
     run = SliceRun()
     last = (len(ids) - 1) // block * block
     if last <= 0:
@@ -176,7 +177,7 @@ async def run_slices(ids: list[int], block: int, sizer: SliceSizer, send: SendSl
         if not ok:
             run.stopped = "upstream_error"
             break
-        sizer.after(window_max())
+        sizer.after(await window_end())
         run.slices += 1
         run.tokens = end
     run.seconds = clock() - start

@@ -67,6 +67,12 @@ def test_id_prefixes_are_the_json_of_each_block_prefix():
         assert json.loads(p.json(k)) == ids[:k]
 
 
+def gap_of(seconds):
+    async def window_end():
+        return seconds
+    return window_end
+
+
 async def test_slices_are_growing_block_aligned_prefixes_of_the_prompt():
     ids = list(range(1000, 1000 + 1234))
     bodies = []
@@ -77,7 +83,7 @@ async def test_slices_are_growing_block_aligned_prefixes_of_the_prompt():
 
     sizer = SliceSizer(target_s=0.03, min_tokens=100, max_tokens=300, tokens=200)
     run = await run_slices(ids, 16, sizer, send, model="m", cache_salt="s", deadline=float("inf"),
-                           window=lambda: None, window_max=lambda: 0.03)
+                           window=lambda: None, window_end=gap_of(0.03))
     ends = [len(b["prompt"]) for b in bodies]
     assert ends == sorted(set(ends)) and all(e % 16 == 0 for e in ends)
     assert ends[-1] == (len(ids) - 1) // 16 * 16 and run.tokens == ends[-1]  # the tail is the request's own
@@ -96,7 +102,7 @@ async def test_slicing_stops_at_a_failed_slice_and_at_the_deadline():
 
     sizer = SliceSizer(0.03, 256, 256, 256)
     run = await run_slices(ids, 16, sizer, failing, model=None, cache_salt=None, deadline=float("inf"),
-                           window=lambda: None, window_max=lambda: None)
+                           window=lambda: None, window_end=gap_of(None))
     assert run.stopped == "upstream_error" and run.slices == 2 and len(sent) == 3
     clock = iter(range(100)).__next__
 
@@ -104,7 +110,7 @@ async def test_slicing_stops_at_a_failed_slice_and_at_the_deadline():
         return True
 
     run = await run_slices(ids, 16, sizer, fine, model=None, cache_salt=None, deadline=2,
-                           window=lambda: None, window_max=lambda: None, clock=lambda: float(clock()))
+                           window=lambda: None, window_end=gap_of(None), clock=lambda: float(clock()))
     assert run.stopped == "deadline"
 
 
@@ -121,7 +127,7 @@ async def test_each_slice_waits_for_settle_first():
 
     sizer = SliceSizer(0.03, 256, 256, 256)
     run = await run_slices(list(range(1000)), 16, sizer, send, model=None, cache_salt=None, deadline=float("inf"),
-                           window=lambda: events.append("window"), window_max=lambda: None, settle=settle)
+                           window=lambda: events.append("window"), window_end=gap_of(None), settle=settle)
     assert events == ["settle", "window", "slice"] * run.slices and run.slices == 4
     assert run.settling_s == 0.25 * run.slices
 
@@ -407,3 +413,21 @@ async def test_when_tokenize_fails_the_request_is_held_instead(fake):
         fake.release.set()
         assert (await b).status_code == 200 and (await task).status_code == 200
         assert state.policy.queued() == []
+
+
+async def test_a_slices_window_waits_for_the_gap_that_arrives_after_its_answer():
+    """The stream's chunk from the slice's engine step may reach the proxy just after the
+    slice's answer: closing the window at once missed it (and the sizer grew 1.5x)."""
+    from proxy.exchange import slice_window_end
+    from proxy.predict import Predictor
+
+    p = Predictor(["u"], slice_gap_s=0.04, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096)
+    p.stream_started("u", 1, None, "m", lambda: 0)
+    p.window_start("u")
+    p.gap("u", 0.006)  # decode steps before the slice ran
+    asyncio.get_running_loop().call_later(0.01, p.gap, "u", 0.080)  # the slice's own gap, late
+    assert await slice_window_end(p, "u") == pytest.approx(0.080)
+    p.window_start("u")  # no stream chunk comes: the wait is bounded
+    t = asyncio.get_running_loop().time()
+    assert await slice_window_end(p, "u", wait_s=0.05) is None
+    assert asyncio.get_running_loop().time() - t < 0.2
