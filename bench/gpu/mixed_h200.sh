@@ -23,6 +23,14 @@
 #   frontier     the seed pair (bench overlap, A alone too) through prefill-gate slicing at
 #                fixed sizes 256, 512, 1024 and with feedback; the paced server's seed pair
 #                with short-first off and on
+#   slice-idle   prefill-gate --slicing auto --slice-when-idle -> stock
+#   sparse-auto, sparse-idle   the same two with few users (SPARSE_ARGS: 3 users, 2 s think),
+#                so that long prompts often arrive with nothing protected live
+#   pair-auto    the seed pair through prefill-gate --slicing auto (what the rule chose)
+#   pair-headline  the seed pair, RUNS=3, direct and through prefill-gate's defaults (the
+#                README's headline; RESULTS section 1 ran it on servers of its own)
+#   errors       how the stock server refuses bad requests (vllm_errors.py; the simulator's fixtures)
+#   kernels      the GPU kernel tests (pytest -m gpu, TRITON_INTERPRET=0)
 # Each row: `bench mixed` with the same seed (the same schedule), DURATION s of steady load
 # after BASELINE s of the users alone. Results accumulate in WORK; OUT gets mixed.tar.gz,
 # the merged mixed.json / mixed.png and the table, each call.
@@ -36,6 +44,9 @@ BASELINE=${BASELINE:-20}
 SEED=${SEED:-0}
 TIME_SCALE=${TIME_SCALE:-1}
 ROWS=${ROWS:-direct hold slice-on slice-auto paced paced-short loop frontier}
+SPARSE_ARGS=${SPARSE_ARGS:---users 3 --think 2}
+case " $ROWS " in *" paced"*|*" loop "*|*" frontier "*) PACED_SERVER=${PACED_SERVER:-1} ;; esac
+PACED_SERVER=${PACED_SERVER:-0}  # the paced vLLM server, only when a row needs it
 WORK=${WORK:-$OUT}
 RUNS=1
 mkdir -p "$OUT" "$WORK/res"
@@ -58,12 +69,15 @@ PREFILL_GATE_PACING_CAP_TOKENS=256" > "$RES/control-paced.env"
     start_server paced0 $PACED0 --time-scale "$TIME_SCALE" --pacing-cap 256 --pacing-short-tokens 0
   else
     start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
-    sleep 12
-    PREFILL_GATE_PACING_LOG_INTERVAL_S=5 PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-paced.env \
-      start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
-      --scheduler-cls engine_patches.pacing.PacedAsyncScheduler --compilation-config '{"cudagraph_mode":"FULL"}'
+    if [ "$PACED_SERVER" = 1 ]; then
+      sleep 12
+      PREFILL_GATE_PACING_LOG_INTERVAL_S=5 PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-paced.env \
+        start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
+        --scheduler-cls engine_patches.pacing.PacedAsyncScheduler --compilation-config '{"cudagraph_mode":"FULL"}'
+    fi
   fi
-  for port in $STOCK $PACED; do
+  local ports=$STOCK; [ "$PACED_SERVER" = 1 ] || [ "${DRY_RUN:-0}" = 1 ] && ports="$STOCK $PACED"
+  for port in $ports; do
     wait_health $port 420 || { say "server on :$port did not come up"; tail -30 "$RES"/server-*.log; exit 1; }
   done
   say "servers healthy"
@@ -90,10 +104,11 @@ proxy_down() {  # port: its /metrics kept, then stopped
   pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1
 }
 
-mixed() {  # label url
-  say "bench mixed $1 -> $2"
-  python3 -m proxy bench mixed --base-url "$2" --label "$1" --model m --seed "$SEED" --duration "$DURATION" \
-    --baseline-duration "$BASELINE" --time-scale "$TIME_SCALE" --json "$RES/mixed-$1.json" 2>&1 \
+mixed() {  # label url [bench mixed args...]
+  local label=$1 url=$2; shift 2
+  say "bench mixed $label -> $url $*"
+  python3 -m proxy bench mixed --base-url "$url" --label "$label" --model m --seed "$SEED" --duration "$DURATION" \
+    --baseline-duration "$BASELINE" --time-scale "$TIME_SCALE" --json "$RES/mixed-$label.json" "$@" 2>&1 \
     | grep -v '^\[mixed\]' | tee -a "$RES/bench.log"
 }
 
@@ -103,6 +118,20 @@ row() {
     hold) proxy_up 8090 $STOCK && mixed hold http://127.0.0.1:8090; proxy_down 8090 ;;
     slice-on) proxy_up 8091 $STOCK --slicing on && mixed slice-on http://127.0.0.1:8091; proxy_down 8091 ;;
     slice-auto) proxy_up 8092 $STOCK --slicing auto && mixed slice-auto http://127.0.0.1:8092; proxy_down 8092 ;;
+    slice-idle) proxy_up 8095 $STOCK --slicing auto --slice-when-idle && mixed slice-idle http://127.0.0.1:8095
+      proxy_down 8095 ;;
+    sparse-auto) proxy_up 8096 $STOCK --slicing auto && mixed sparse-auto http://127.0.0.1:8096 $SPARSE_ARGS
+      proxy_down 8096 ;;
+    sparse-idle) proxy_up 8097 $STOCK --slicing auto --slice-when-idle \
+      && mixed sparse-idle http://127.0.0.1:8097 $SPARSE_ARGS; proxy_down 8097 ;;
+    pair-auto) proxy_up 8094 $STOCK --slicing auto --log-level info && bench pair-auto http://127.0.0.1:8094
+      grep -h "large prefill #" "$RES/proxy-8094.log" > "$RES/pair-auto-choices.log"; proxy_down 8094 ;;
+    pair-headline) RUNS=3 bench pair-direct-3 http://127.0.0.1:$STOCK
+      proxy_up 8098 $STOCK && RUNS=3 bench pair-proxy-3 http://127.0.0.1:8098; proxy_down 8098 ;;
+    errors) say "vLLM's refusals"; python3 bench/gpu/vllm_errors.py --base-url http://127.0.0.1:$STOCK --model m \
+      --json "$RES/vllm-errors.json" > "$RES/vllm-errors.txt" 2>&1; cat "$RES/vllm-errors.txt" ;;
+    kernels) say "GPU kernel tests"; TRITON_INTERPRET=0 python3 -m pytest -q -m gpu -rs --noconftest -p no:cacheprovider \
+      tests/kernels/test_paged_attention.py > "$RES/kernel-tests.txt" 2>&1; tail -5 "$RES/kernel-tests.txt" ;;
     paced)
       if [ "${DRY_RUN:-0}" = 1 ]; then mixed paced http://127.0.0.1:$PACED0
       else short_first off; mixed paced http://127.0.0.1:$PACED; fi ;;
@@ -128,9 +157,14 @@ row() {
 start_servers
 for r in $ROWS; do row "$r"; done
 
-python3 -m proxy bench mixed-report $(ls "$RES"/mixed-*.json | sort) --json "$OUT/mixed.json" --plot "$OUT/mixed.png" \
-  > "$OUT/mixed-table.txt" 2>&1 || true
-cat "$OUT/mixed-table.txt"
+# One comparison per workload: the sparse rows (fewer users) are merged apart.
+main=$(ls "$RES"/mixed-*.json 2>/dev/null | grep -v '/mixed-sparse-' | sort)
+sparse=$(ls "$RES"/mixed-sparse-*.json 2>/dev/null | sort)
+[ -n "$main" ] && python3 -m proxy bench mixed-report $main --json "$OUT/mixed.json" --plot "$OUT/mixed.png" \
+  > "$OUT/mixed-table.txt" 2>&1
+[ -n "$sparse" ] && python3 -m proxy bench mixed-report $sparse --json "$OUT/mixed-sparse.json" \
+  > "$OUT/mixed-sparse-table.txt" 2>&1
+cat "$OUT"/mixed*-table.txt 2>/dev/null
 grep -h "prefill-gate pacing" "$RES"/server-paced.log 2>/dev/null | tail -20 > "$RES/pacing-decisions.log"
 tar czf "$OUT/mixed.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
 tail -c 2000000 "$RES"/server-stock.log > "$OUT/server-stock-tail.log" 2>/dev/null
