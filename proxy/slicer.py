@@ -111,12 +111,15 @@ class IdPrefixes:
 @dataclass
 class SliceSizer:
     """Slice size per upstream, moved by the protected streams' gaps (multiplicative, at
-    most 1.5x up or 2x down per slice, so a noisy gap cannot swing it)."""
+    most 1.5x up or 2x down per slice, so a noisy gap cannot swing it). A slice no stream
+    saw grows it 1.5x, unless ``hold_unwatched`` (slicing with nothing live, for arrivals'
+    sake: a stream starting next must find slices still sized to the gap target)."""
 
     target_s: float
     min_tokens: int
     max_tokens: int
     tokens: int = 512
+    hold_unwatched: bool = False
 
     def size(self, block: int) -> int:
         lo = -(-self.min_tokens // block) * block
@@ -125,7 +128,7 @@ class SliceSizer:
     def after(self, max_gap_s: float | None) -> None:
         """A slice ran; ``max_gap_s``: the largest protected gap meanwhile (None: no stream)."""
         if max_gap_s is None:
-            factor = 1.5
+            factor = 1.0 if self.hold_unwatched else 1.5
         else:
             factor = min(1.5, max(0.5, self.target_s / max(max_gap_s, 1e-4)))
         self.tokens = int(min(self.max_tokens, max(self.min_tokens, self.tokens * factor)))

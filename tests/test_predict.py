@@ -111,3 +111,13 @@ def test_measured_rates_replace_the_priors():
         p.prefill_done("u", 20_000, 0.5)  # 40k tokens/s
     c = p.choose("u", 20_000)
     assert c.finish_slice_s == pytest.approx(4.0, rel=0.01)
+
+
+def test_slice_when_idle_keeps_slices_sized_for_the_next_stream():
+    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                  slice_idle=True, clock=Clock())
+    sizer = p.sizer("u")
+    before = sizer.tokens
+    sizer.after(None)
+    assert sizer.tokens == before
+    assert not predictor().sizer("u").hold_unwatched  # without it, unwatched slices grow

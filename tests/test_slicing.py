@@ -145,6 +145,10 @@ def test_slice_size_follows_the_gaps_in_whole_blocks():
     assert s.size(16) == 288 and s.size(100) == 200  # whole blocks, at least min_tokens
     s.tokens = 10
     assert s.size(16) == 112  # min 100 rounded up to blocks
+    idle = SliceSizer(target_s=0.030, min_tokens=100, max_tokens=2048, tokens=512, hold_unwatched=True)
+    for _ in range(5):
+        idle.after(None)  # slicing with nothing live: the size stays what the gaps last made it
+    assert idle.tokens == 512
 
 
 # --------------------------------------------------------------------- the policy
