@@ -1,4 +1,8 @@
-"""``prefill-gate serve | sim | bench overlap | bench overhead | demo``."""
+"""prefill-gate: keep streaming answers smooth on vLLM while long prompts prefill.
+
+Commands: serve (the proxy), sim (the engine simulator), bench (overlap, mixed,
+mixed-report, agent, overhead), demo (simulator and proxy side by side), hash-key.
+"""
 
 from __future__ import annotations
 
@@ -27,14 +31,29 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         elif field.annotation is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
-            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{help_} (default: {field.default})")
+            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper() if choices is None else None,
+                           choices=choices, help=f"{help_} (default: {field.default})")
+
+
+class CliError(Exception):
+    """A command cannot run as asked: one line on stderr, exit code 2."""
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _free_socket(host: str = "127.0.0.1") -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
+    return _bind(host, 0)
 
 
 async def _serve(settings: Settings) -> None:
@@ -43,6 +62,10 @@ async def _serve(settings: Settings) -> None:
     from .app import build_state, create_app
     from .listener import server_config
 
+    try:
+        listen = _bind(settings.host, settings.port)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
     servers = []
     if not settings.upstreams:
         from .sim import build_engine
@@ -66,7 +89,7 @@ async def _serve(settings: Settings) -> None:
     proxy = uvicorn.Server(server_config(app, settings, host=settings.host, port=settings.port,
                                          log_level=settings.log_level, lifespan="on",
                                          timeout_graceful_shutdown=settings.shutdown_grace + 5))
-    servers.append(proxy.serve())
+    servers.append(proxy.serve(sockets=[listen]))
     if settings.metrics_port is not None:
         from .app import create_metrics_app
 
@@ -161,10 +184,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"prefill-gate sim: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("simulator preset %s (%s), %s, %s", preset.name, preset.source, engine.config, engine.cost)
-    uvicorn.run(create_sim_app(engine, model=args.served_model_name), host=args.host, port=args.port,
-                log_level="warning")
+    host, port = sock.getsockname()[:2]
+    log.info("simulator listening on http://%s:%d (model %r)", f"[{host}]" if ":" in host else host, port,
+             args.served_model_name)
+    server = uvicorn.Server(uvicorn.Config(create_sim_app(engine, model=args.served_model_name), log_level="warning"))
+    asyncio.run(server.serve(sockets=[sock]))
     return 0
 
 
@@ -234,22 +264,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- main
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _presets() -> list[str]:
+    from .sim.presets import PRESETS
+
+    return sorted(PRESETS)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefill-gate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="prefill-gate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("serve", help="run the proxy (with no --upstream: in front of the built-in simulator)")
     _add_settings_flags(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("sim", help="run the vLLM-like engine simulator")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--preset", default=None, help="cost model and settings (default: h200-qwen3-8b)")
-    p.add_argument("--served-model-name", default="sim")
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--long-prefill-token-threshold", type=int)
+    p = sub.add_parser("sim", help="run the vLLM-like engine simulator", formatter_class=defaults)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, logged)")
+    p.add_argument("--preset", default="h200-qwen3-8b", choices=_presets(), help="cost model and engine settings")
+    p.add_argument("--served-model-name", default="sim", help="the model name it answers to")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (vLLM's flag; "
+                   "default: the preset's)")
+    p.add_argument("--max-num-seqs", type=positive_int, help="requests running at once (default: the preset's)")
+    p.add_argument("--long-prefill-token-threshold", type=int, help="vLLM's flag: cap a long prompt's chunk "
+                   "(0: off; default: the preset's)")
     p.add_argument("--pacing-cap", type=int, help="act like engine_patches' cap mode: at most N prefill "
                                                   "tokens per step while a request decodes")
     p.add_argument("--pacing-short-tokens", type=int, metavar="N",
@@ -259,28 +306,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pacing-long-min-share", type=float, metavar="X",
                    help="with --pacing-cap: the least share of a capped step a long prompt keeps "
                         "(PREFILL_GATE_PACING_LONG_MIN_SHARE; default 0.5)")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=positive_int, help="KV block size in tokens (default: the preset's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter and answer text")
     for f in _cost_fields():
         p.add_argument("--cost-" + f.name.replace("_", "-"), dest="cost_" + f.name, type=float,
                        help=f"override the preset's cost-model field {f.name} (seconds)")
     p.set_defaults(func=cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("overlap", help="decode ITL while a long prompt prefills (the seed shape)")
-    p.add_argument("--base-url", required=True)
-    p.add_argument("--model")
-    p.add_argument("--long-tokens", type=int, default=28600)
-    p.add_argument("--b-tokens", type=int, default=512)
-    p.add_argument("--a-tokens", type=int, default=58)
-    p.add_argument("--a-after", type=int, default=64, help="send A when B has streamed this many tokens")
-    p.add_argument("--runs", type=int, default=1)
+    p = bench.add_parser("overlap", help="decode ITL while a long prompt prefills (the seed shape)",
+                         formatter_class=defaults,
+                         description="The seed pair: stream B decodes; when B has streamed --a-after tokens, "
+                         "long prompt A arrives. Measures B's gaps and A's time, each also alone.")
+    p.add_argument("--base-url", required=True, help="an OpenAI-compatible server (with or without /v1)")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--long-tokens", type=positive_int, default=28600, help="A's prompt tokens")
+    p.add_argument("--b-tokens", type=positive_int, default=512, help="tokens B streams")
+    p.add_argument("--a-tokens", type=positive_int, default=58, help="tokens A's answer streams")
+    p.add_argument("--a-after", type=positive_int, default=64, help="send A when B has streamed this many tokens")
+    p.add_argument("--runs", type=positive_int, default=1, help="repetitions (reported as a range)")
     p.add_argument("--seed", type=int, default=None, help="prompt text seed (default: fresh each call)")
-    p.add_argument("--label", help="config name recorded in the JSON")
-    p.add_argument("--json")
-    p.add_argument("--plot")
+    p.add_argument("--label", help="config name recorded in the JSON (default: the base URL)")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--plot", help="write B's gaps over time here (PNG)")
     p.set_defaults(func=cmd_bench_overlap)
 
     p = bench.add_parser("mixed", help="steady load: desynchronised interactive users + long prompts at random, "
@@ -295,12 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write the CDFs here (PNG)")
     p.set_defaults(func=cmd_bench_mixed_report)
 
-    p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine")
-    p.add_argument("--preset", default="h200-qwen3-8b")
-    p.add_argument("--time-scale", type=float, default=1.0)
+    p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine",
+                         formatter_class=defaults)
+    p.add_argument("--preset", default="h200-qwen3-8b", choices=_presets(), help="the simulator preset")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run the simulator this many times slower")
     p.add_argument("--pacing-cap", type=int, default=256, help="the paced engine's prefill cap (scenario 3)")
     p.add_argument("--slo-ms", type=float, default=25.0, help="the closed loop's ITL SLO (scenario 3)")
-    p.add_argument("--json")
+    p.add_argument("--json", help="write the result here")
     p.set_defaults(func=cmd_bench_agent)
     p = bench.add_parser("overhead", help="the proxy's own added latency and relay rate")
     p.add_argument("--streams", default="1,100,500", help="concurrent streams, comma-separated")
@@ -317,16 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench_overhead)
 
-    p = sub.add_parser("bench-upstream", help=argparse.SUPPRESS)  # the overhead bench's stamping upstream
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--procs", type=int, default=1)
-    p.set_defaults(func=cmd_bench_upstream)
-
-    p = sub.add_parser("demo", help="simulator + proxy: the starvation and the fix, side by side")
-    p.add_argument("--preset", default="h200-qwen3-8b")
-    p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--out", default="out/demo")
-    p.add_argument("--time-scale", type=float, default=1.0)
+    p = sub.add_parser("demo", help="simulator + proxy: the starvation and the fix, side by side",
+                       formatter_class=defaults)
+    p.add_argument("--preset", default="h200-qwen3-8b", choices=_presets(), help="the simulator preset")
+    p.add_argument("--runs", type=positive_int, default=1, help="runs of the seed pair each way")
+    p.add_argument("--out", default="out/demo", help="folder for demo.json and demo.png")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run the simulator this many times slower")
     p.add_argument("--compare", metavar="DIR", help="also compare with measured direct-8192/proxy-8192 JSON in DIR")
     p.set_defaults(func=cmd_demo)
 
@@ -347,8 +394,18 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 def main(argv: typing.Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench-upstream"]:  # the overhead bench's stamping upstream: internal, unlisted
+        p = argparse.ArgumentParser(prog="prefill-gate bench-upstream")
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--procs", type=int, default=1)
+        return cmd_bench_upstream(p.parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except CliError as exc:
+        print(f"prefill-gate {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

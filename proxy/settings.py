@@ -9,12 +9,15 @@ the start with a message that names the setting and where it came from.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("prefill_gate")
 
 ENV_PREFIX = "PREFILL_GATE_"
 
@@ -210,6 +213,15 @@ class Settings(BaseModel):
                              "slices sized to it would break the promise")
         return self
 
+    @field_validator("sim_preset")
+    @classmethod
+    def _check_preset(cls, name: str) -> str:
+        from .sim.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown simulator preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return name
+
     @field_validator("upstreams")
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
@@ -220,7 +232,11 @@ class Settings(BaseModel):
             if "@" in url.split("://", 1)[1].split("/", 1)[0]:
                 raise ValueError("an upstream URL must not carry credentials (they would show in /health, "
                                  "/metrics and logs): use upstream_api_key")
-            out.append(url.rstrip("/"))
+            url = url.rstrip("/")
+            if url.endswith("/v1"):  # what every OpenAI client is configured with; the proxy adds the paths
+                log.warning("upstream %s: using %s (the proxy adds /v1/... itself)", url, url[:-3])
+                url = url[:-3]
+            out.append(url)
         if len(set(out)) != len(out):
             raise ValueError("the same upstream is listed twice")
         return out

@@ -95,3 +95,50 @@ def test_readme_lists_every_setting():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for name in Settings.model_fields:
         assert f"`{name}`" in readme and f"PREFILL_GATE_{name.upper()}" in readme, name
+
+
+def test_cli_errors_are_one_line_and_exit_2(capsys):
+    import socket
+
+    from proxy.cli import main
+
+    cases = [["serve", "--sim-preset", "nope"], ["demo", "--preset", "nope"], ["demo", "--runs", "0"],
+             ["bench", "overlap", "--runs", "0", "--base-url", "http://127.0.0.1:9"], ["sim", "--preset", "nope"]]
+    for argv in cases:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, (argv, err)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    for argv in (["sim", "--port", port], ["serve", "--port", port, "--upstream", "http://127.0.0.1:9"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "cannot listen" in err and "Traceback" not in err, err
+    taken.close()
+
+
+def test_help_lists_only_public_commands_and_every_option_says_what_it_does(capsys):
+    from proxy.cli import build_parser
+
+    top = build_parser().format_help()
+    assert "SUPPRESS" not in top and "``" not in top and "bench-upstream" not in top
+    parser = build_parser()
+    for argv in (["sim"], ["demo"], ["bench", "overlap"]):
+        sub = parser
+        for word in argv:
+            sub = next(a for a in sub._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices[word]
+        for action in sub._actions:
+            assert action.help, (argv, action.dest)
+
+
+def test_an_upstream_given_as_an_openai_base_url_is_accepted(caplog):
+    from proxy.settings import load_settings
+
+    s = load_settings({"upstreams": ["http://127.0.0.1:8000/v1/", "http://h:1"]}, environ={})
+    assert s.upstreams == ["http://127.0.0.1:8000", "http://h:1"]
+    assert "adds /v1" in caplog.text

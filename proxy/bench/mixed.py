@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .overlap import PromptMaker, Trace, discover, stream_chat
+from .overlap import PromptMaker, Trace, discover, normalize_base_url, stream_chat
 from .report import percentile
 
 # A gap longer than this is a visible stall to a reader (the issue's "gaps > 50 ms").
@@ -353,12 +353,6 @@ def _prompt_pools(prompts: Prompts, shape: MixedShape, schedule: Schedule) -> tu
     users = [[prompts.make(shape.interactive_prompt) for _ in u.requests] for u in schedule.users]
     longs = [prompts.make(shape.long_prompt) for _ in schedule.long_arrivals]
     return users, longs
-
-
-def normalize_base_url(url: str) -> str:
-    """Accept what OpenAI clients are configured with (``.../v1``): the bench adds the paths."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, seed: int,

@@ -173,6 +173,12 @@ def _trace_json(t: Trace, t0: float) -> dict:
             "error": t.error}
 
 
+def normalize_base_url(url: str) -> str:
+    """Accept what OpenAI clients are configured with (``.../v1``): the benches add the paths."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 async def discover(client: httpx.AsyncClient, base_url: str, model: str | None) -> tuple[str, str | None]:
     """The model to ask for (the first of /v1/models unless given) and the server's version."""
     if model is None:
@@ -192,7 +198,7 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
                       seed: int | None = None, progress: bool = True, timeout: float = 600.0) -> dict:
     """Run the seed shape ``runs`` times. ``seed`` None: fresh text on every call (an
     earlier call's prompts may still sit in the target's prefix cache)."""
-    base_url = base_url.rstrip("/")
+    base_url = normalize_base_url(base_url)
     seed = random.SystemRandom().randrange(1 << 30) if seed is None else seed
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
