@@ -3,7 +3,8 @@
 Routes:
   POST /v1/chat/completions, /v1/completions   through the gate
   any  /v1/*, /tokenize, /detokenize, /version  passed through unchanged
-  GET  /health                                  the proxy and which upstreams answer
+  GET  /health                                  liveness: the proxy and which upstreams answer
+  GET  /ready                                   readiness: 200 while an upstream passes its checks, else 503
   GET  /metrics                                 Prometheus text
 
 The gate's state lives in this process: run one uvicorn worker per proxy.
@@ -305,15 +306,26 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return BadRequest(f"invalid request: {exc.errors()[:3]}").response()
 
+    @app.get("/ready", responses={503: {"description": "no upstream passes its health checks"}})
+    async def ready():
+        """Readiness, for load balancers: 200 while at least one upstream passed its latest
+        health check, else 503 (before the first check too)."""
+        passing = [u for u in state.settings.upstreams if state.health.get(u) is True]
+        body = {"ready": bool(passing), "upstreams_passing": len(passing),
+                "upstreams": len(state.settings.upstreams)}
+        return JSONResponse(body, status_code=200 if passing else 503)
+
     @app.get("/health")
     async def health():
+        """Liveness: 200 while the proxy answers; ``status`` says whether any upstream passes."""
         ups = state.policy.snapshot().upstreams
+        passing = any(state.health.get(u) is True for u in state.settings.upstreams)
         body = {
-            "status": "ok",
+            "status": "ok" if passing else "no_upstream_passing",
             "queue_depth": state.policy.queue_depth,
             "upstreams": {
                 u: {
-                    "healthy": state.health.get(u, True),
+                    "healthy": state.health.get(u),  # None: not checked yet
                     "live_decodes": ups[u].live_decodes,
                     "large_prefills_in_flight": ups[u].large_in_flight,
                     "active": ups[u].active,

@@ -1,6 +1,6 @@
 """Optional client API keys, stored as hashes.
 
-With ``api_keys_file`` set, every request except ``GET /health`` needs
+With ``api_keys_file`` set, every request except ``GET /health`` and ``/ready`` needs
 ``Authorization: Bearer <key>`` with a key whose hash is in the file; otherwise 401.
 ``/metrics`` needs a key too (its counters move with each request: the cached-prefix
 credit would tell a stranger whether a guessed prompt was sent before); a scraper without
@@ -20,7 +20,7 @@ from pathlib import Path
 
 PREFIX = "sha256:"
 _LINE = re.compile(r"^sha256:[0-9a-f]{64}$")
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
 def hash_key(key: str) -> str:

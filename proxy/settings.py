@@ -186,7 +186,7 @@ class Settings(BaseModel):
     )
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
-        "prints one). Set: every path but /health needs a listed Bearer key (401 otherwise), /metrics too unless it has its own metrics_port.",
+        "prints one). Set: every path but /health and /ready needs a listed Bearer key (401 otherwise), /metrics too unless it has its own metrics_port.",
     )
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="Serve /metrics on this port (at metrics_host) instead of the API port.",

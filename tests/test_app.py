@@ -234,8 +234,18 @@ async def test_upstream_key_replaces_the_client_authorization(fake):
 
 async def test_health_and_metrics(fake):
     async with proxy_client(fake) as (c, state):
+        h = (await c.get("/health")).json()  # no health check has run: not known to be healthy
+        assert h["status"] == "no_upstream_passing" and h["upstreams"][UPSTREAM]["healthy"] is None
+        r = await c.get("/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        state.mark_health(UPSTREAM, True)
         h = (await c.get("/health")).json()
         assert h["status"] == "ok" and h["upstreams"][UPSTREAM]["healthy"] is True
+        assert (await c.get("/ready")).status_code == 200
+        state.mark_health(UPSTREAM, False)
+        assert (await c.get("/ready")).status_code == 503
+        assert (await c.get("/health")).status_code == 200  # liveness: the proxy itself answers
+        state.mark_health(UPSTREAM, True)
         text = (await c.get("/metrics")).text
         for name in ("prefill_gate_requests_total", "prefill_gate_queue_depth", "prefill_gate_itl_seconds_bucket",
                      "prefill_gate_live_decodes", "prefill_gate_inflight_prefill_tokens",

@@ -33,6 +33,7 @@ async def test_upstream_killed_mid_stream_then_back_without_a_proxy_restart():
                 await asyncio.sleep(0.6)  # a health check or two fail
                 health = (await c.get(proxy.url + "/health")).json()
                 assert health["upstreams"][sim.url]["healthy"] is False
+                assert (await c.get(proxy.url + "/ready")).status_code == 503  # load balancers: take me out
                 down = await c.post(proxy.url + CHAT, json={"model": "sim", "messages": [
                     {"role": "user", "content": "anyone?"}], "max_tokens": 4})
                 assert down.status_code == 502 and down.json()["error"]["code"] == "upstream_unavailable"
@@ -47,6 +48,7 @@ async def test_upstream_killed_mid_stream_then_back_without_a_proxy_restart():
                 health = (await c.get(proxy.url + "/health")).json()
                 up = health["upstreams"][sim.url]
                 assert up["healthy"] and up["live_decodes"] == 0 and up["active"] == 0
+                assert (await c.get(proxy.url + "/ready")).status_code == 200
                 assert health["queue_depth"] == 0
     finally:
         sim.stop()

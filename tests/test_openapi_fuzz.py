@@ -1,6 +1,6 @@
 """schemathesis against the proxy's own OpenAPI document (`/openapi.json`), in process.
 
-Every operation there (the two gated endpoints, /health, /metrics) gets generated requests,
+Every operation there (the two gated endpoints, /health, /ready, /metrics) gets generated requests,
 schema-valid and not, and schemathesis' checks: no 5xx, status codes, content types and
 bodies as documented, invalid data rejected. The upstream is the fake that answers like
 vLLM (tests/test_http_fuzz.py).
@@ -17,7 +17,9 @@ from test_http_fuzz import LikeVLLM
 from proxy.app import create_app
 
 UPSTREAM = LikeVLLM()
-APP = create_app(make_state(httpx.MockTransport(UPSTREAM)), health_checks=False)
+STATE = make_state(httpx.MockTransport(UPSTREAM))
+STATE.mark_health(STATE.settings.upstreams[0], True)  # as a passing health check would (GET /ready: 200)
+APP = create_app(STATE, health_checks=False)
 
 
 async def without_lifespan(scope, receive, send):
