@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..disconnect import DisconnectWatch
+from . import refusals
 from .engine import Engine, SimRequest
 
 IM_START, IM_END = 0x110000, 0x110001  # special tokens: outside Unicode, one token each
@@ -212,15 +213,18 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
         if isinstance(body, JSONResponse):
             return body
         try:
-            prompt = render_chat(body["messages"]) if chat else encode_prompt(body["prompt"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return _error(400, f"bad prompt: {exc}", "messages" if chat else "prompt")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return _error(400, "max_tokens must be a positive integer", "max_tokens")
-        if len(prompt) + max_tokens > max_model_len:
-            return _error(400, f"prompt ({len(prompt)} tokens) + max_tokens exceeds max_model_len {max_model_len}")
+            refusals.check_shape(body, chat)
+            refusals.check_model(body, model)
+            refusals.check_sampling(body, chat, max_model_len)
+            try:
+                prompt = render_chat(body["messages"]) if chat else encode_prompt(body["prompt"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                return _error(400, f"bad prompt: {exc}", "messages" if chat else "prompt")
+            max_tokens = refusals.max_tokens_of(body)
+            max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+            refusals.check_length(len(prompt), max_tokens, max_model_len)
+        except refusals.Refusal as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         ids = not chat and isinstance(body.get("prompt"), list) and bool(body["prompt"]) \
             and isinstance(body["prompt"][0], int)
         per = engine.cost.frontend_per_id if ids else engine.cost.frontend_per_token
