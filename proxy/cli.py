@@ -147,6 +147,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"prefill-gate: {exc}", file=sys.stderr)
             return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # half of /metrics was *_created series nobody graphs
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     logging.getLogger("uvicorn.access").addFilter(_strip_query)
     logging.getLogger("uvicorn.error").addFilter(_one_line_for_bad_http)

@@ -142,3 +142,23 @@ def test_an_upstream_given_as_an_openai_base_url_is_accepted(caplog):
     s = load_settings({"upstreams": ["http://127.0.0.1:8000/v1/", "http://h:1"]}, environ={})
     assert s.upstreams == ["http://127.0.0.1:8000", "http://h:1"]
     assert "adds /v1" in caplog.text
+
+
+def test_readme_lists_every_metric_with_its_labels():
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from proxy.metrics import Metrics
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Metrics"):readme.index("## Step pacing inside vLLM")]
+    registry = CollectorRegistry()
+    m = Metrics(registry, ["u"])
+    m.slice_settle_seconds.labels("u").inc(0)  # (labels appear once used)
+    for family in registry.collect():
+        name = family.name.removeprefix("prefill_gate_") + ("_total" if family.type == "counter" else "")
+        labels = sorted({k for s in family.samples for k in s.labels} - {"le"})
+        assert f"`{name}" in section, name
+        for label in labels:
+            assert label in section[section.index(f"`{name}"):].split("`")[1], (name, label)
