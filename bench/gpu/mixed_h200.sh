@@ -130,8 +130,8 @@ row() {
       proxy_up 8098 $STOCK && RUNS=3 bench pair-proxy-3 http://127.0.0.1:8098; proxy_down 8098 ;;
     errors) say "vLLM's refusals"; python3 bench/gpu/vllm_errors.py --base-url http://127.0.0.1:$STOCK --model m \
       --json "$RES/vllm-errors.json" > "$RES/vllm-errors.txt" 2>&1; cat "$RES/vllm-errors.txt" ;;
-    kernels) say "GPU kernel tests"; TRITON_INTERPRET=0 python3 -m pytest -q -m gpu -rs --noconftest -p no:cacheprovider \
-      tests/kernels/test_paged_attention.py > "$RES/kernel-tests.txt" 2>&1; tail -5 "$RES/kernel-tests.txt" ;;
+    kernels) say "GPU kernel tests"; TRITON_INTERPRET=0 python3 -m pytest -v -m gpu -rs --noconftest -p no:cacheprovider \
+      tests/kernel_tests/test_paged_attention.py > "$RES/kernel-tests.txt" 2>&1; tail -5 "$RES/kernel-tests.txt" ;;
     paced)
       if [ "${DRY_RUN:-0}" = 1 ]; then mixed paced http://127.0.0.1:$PACED0
       else short_first off; mixed paced http://127.0.0.1:$PACED; fi ;;

@@ -15,7 +15,7 @@ import torch
 
 from kernels.paged_attention import Scratch, paged_attention
 from kernels.reference import paged_attention_ref
-from tests.kernels.cases import make_case
+from tests.kernel_tests.cases import make_case
 
 PAGES = (1, 16, 48, 544, 784, 1568)
 QUERY_LENS = (1, 2, 4, 8, 33, 300)
