@@ -380,12 +380,17 @@ class GatedExchange(Exchange):
             return None
 
     async def _keepalive(self, send, admitted: asyncio.Event, every: float) -> None:
-        """While held: an SSE comment every ``every`` seconds with the queue position and
-        the time left until the wait bound (comments are ignored by SSE clients)."""
+        """While held: the 200 and an SSE comment at once, then one every ``every`` seconds,
+        with the queue position and the time left until the wait bound (comments are
+        ignored by SSE clients). This task first runs after the ticket's submission (it is
+        created just before it, and submission does not suspend)."""
         gate, ticket = self.state.gate, self.req.ticket
+        first = True
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(admitted.wait(), every)
+            if not first:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(admitted.wait(), every)
+            first = False
             waiting = gate.waiting(ticket)
             if admitted.is_set() or waiting is None:
                 return

@@ -97,8 +97,8 @@ class Settings(BaseModel):
     max_slice_tokens: int = Field(4096, ge=1, description="Slicing: the largest slice.")
     sse_keepalive: float = Field(
         0.0, ge=0,
-        description="Seconds between SSE comment lines (queue position, estimated wait) sent to a "
-        "held streaming request (0: none).",
+        description="Seconds between SSE comment lines (queue position, seconds left until the wait "
+        "bound) sent to a held streaming request, the first with its 200 at once (0: none).",
     )
     protect_non_streaming: bool = Field(
         False,

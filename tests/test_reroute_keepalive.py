@@ -12,10 +12,13 @@ from tests.conftest import (
     FakeVLLM,
     chat,
     hold_stream,
+    make_state,
     proxy_client,
     response,
     sample,
+    serve,
 )
+from proxy.app import create_app
 
 DOWN, UP = "http://down.test", "http://up.test"
 
@@ -130,4 +133,20 @@ async def test_closed_loop_admits_next_to_a_smooth_stream(fake):
                       {"class": "large", "decision": "immediate"}) == 1
         assert sample(state.metrics.registry, "prefill_gate_closed_loop_budget_tokens", {"upstream": UP}) == 20000
         fake.release.set()
+        await b
+
+
+async def test_a_held_stream_gets_its_200_and_a_first_comment_at_once(fake):
+    """With comments every 3 s, the status line used to wait 3 s for the first one."""
+    state = make_state(httpx.MockTransport(fake), upstreams=[UP], sse_keepalive=3.0)
+    async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient(base_url=url) as c:
+        b = await hold_stream(c, fake)
+        t = asyncio.get_running_loop().time()
+        async with c.stream("POST", CHAT, json=chat("x" * 40000, stream=True)) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+            first = await r.aiter_raw().__anext__()
+            assert first.startswith(b": prefill-gate queued position=1")
+            assert asyncio.get_running_loop().time() - t < 1.0
+            assert state.policy.queue_depth == 1  # still held
+            fake.release.set()
         await b
