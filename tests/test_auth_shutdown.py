@@ -71,22 +71,24 @@ def test_hash_key_command_and_bad_file_at_start(tmp_path):
 @pytest.mark.slow
 async def test_sigterm_lets_short_streams_finish_and_ends_long_ones(tmp_path):
     with Service("sim", "--time-scale", "2", name="sim") as sim, \
-            Service("serve", "--upstream", sim.url, "--shutdown-grace", "1.0", "--log-level", "warning",
+            Service("serve", "--upstream", sim.url, "--shutdown-grace", "2.0", "--log-level", "warning",
                     name="proxy") as proxy:
         long = asyncio.create_task(stream_events(proxy.url, 5000))  # ~50 s of tokens
-        short = asyncio.create_task(stream_events(proxy.url, 40))  # well under a second
-        await asyncio.sleep(0.5)
+        streaming = asyncio.Event()
+        short = asyncio.create_task(stream_events(proxy.url, 60, started=streaming))  # ~0.6 s of tokens
+        await asyncio.wait_for(streaming.wait(), 10)
+        assert not short.done()  # certainly live at SIGTERM, with most of its tokens to come
         sent = time.monotonic()
         proxy.proc.send_signal(signal.SIGTERM)
         short_events = await short
         long_events = await long
         ended = time.monotonic()
-        assert short_events[-1] == b"data: [DONE]"
+        assert short_events[-1] == b"data: [DONE]" and len(short_events) == 60 + 1
         assert not any(b"error" in e for e in short_events)
         assert long_events[-1] == b"data: [DONE]"
         error = json.loads(long_events[-2][5:])["error"]
         assert error["code"] == "proxy_shutting_down"
-        assert 0.9 <= ended - sent <= 4.0  # the grace, then the end: not uvicorn's cut
+        assert 1.9 <= ended - sent <= 5.0  # the grace, then the end: not uvicorn's cut
         # uvicorn re-raises the captured signal once it has shut down: the default exit for SIGTERM.
         assert proxy.proc.wait(timeout=10) in (0, -signal.SIGTERM)
         await asyncio.sleep(0.3)

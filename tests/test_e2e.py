@@ -20,8 +20,15 @@ def test_seed_shape_direct_vs_through_the_proxy():
         proxied = asyncio.run(run_overlap(gate.url, shape=Shape(), progress=False))
         health = __import__("httpx").get(gate.url + "/health").json()
 
-    # through the proxy: B's largest gap while A is in flight <= 4x B's solo median
-    assert proxied["overlap_itl_ms_max"] <= 4 * proxied["solo_itl_ms_p50"], proxied
+    # through the proxy, what the gate does: A's prompt reaches the engine only after B's last
+    # token (an ordering, which a loaded machine cannot flip), so B streams as it does alone:
+    # its typical gap is its solo one, and its worst within a few of its solo p99 (B alone and
+    # B next to A see the same machine; on a busy 2-core runner a fixed multiple of the median
+    # flipped once)
+    raw = proxied["raw"][0]
+    assert raw["a"]["tokens"][0] >= raw["b"]["end"], raw["a"]["tokens"][:1]
+    assert proxied["overlap_itl_ms_p50"] <= 1.5 * proxied["solo_itl_ms_p50"], proxied
+    assert proxied["overlap_itl_ms_max"] <= 3 * max(proxied["solo_itl_ms_p99"], proxied["solo_itl_ms_p50"] * 2), proxied
     # >= 5x smaller than without the proxy
     assert direct["overlap_itl_ms_max"] >= 5 * proxied["overlap_itl_ms_max"], (direct, proxied)
     # without the proxy B starves: the default preset's stall is >= 20x its solo median

@@ -152,16 +152,37 @@ async def test_a_client_that_stops_reading_does_not_stall_other_streams():
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         try:
             await asyncio.sleep(2.0)  # its relay backs up against the socket
-            before = _rss_bytes(proxy.proc.pid)
+            before, made = _rss_bytes(proxy.proc.pid), _generated(sim.url)
             started = time.monotonic()
             events = await stream_events(proxy.url, 300)
             took = time.monotonic() - started
+            chunk = min(len(e) for e in events if e.startswith(b"data: {"))
+            deadline = time.monotonic() + 20
+            while (_generated(sim.url) - made) * chunk < 4 * BOUND and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)  # a window long enough to tell
             grown = _rss_bytes(proxy.proc.pid) - before
+            made = _generated(sim.url) - made
         finally:
             stuck.close()
     assert events[-1] == b"data: [DONE]" and not any(b'"error"' in e for e in events)
     assert took < 5.0  # not held behind the stuck reader
-    assert grown < 20 * 1024 * 1024  # the stuck stream's buffer stays bounded while it runs on
+    # What a relay that buffered without bound would have held over the window: every chunk
+    # the engine made for the stuck stream meanwhile. The test can only pass by flow control
+    # if that is far over the bound.
+    unbounded = made * chunk
+    assert unbounded >= 4 * BOUND, f"only {unbounded / 2**20:.1f} MiB made: the window tells nothing"
+    assert grown < BOUND, f"{grown / 2**20:.1f} MiB grown while {unbounded / 2**20:.0f} MiB were made"
+
+
+BOUND = 1024 * 1024  # the stuck stream's share of the proxy's memory (measured: ~50 KiB)
+
+
+def _generated(url: str) -> float:
+    """The simulator's vllm:generation_tokens (every token made, read or not)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no vllm:generation_tokens_total")
 
 
 async def _tcp_server(handler):
