@@ -2,7 +2,7 @@
 # Install everything the tests need into .venv and run them (CPU only, no network
 # beyond the package index). The README's test command and CI run exactly this.
 #
-#   1. the proxy with its test extras;
+#   1. the proxy with its test extras, at the versions of requirements/test.lock;
 #   2. vLLM 0.26.0's scheduler for the engine_patches tests: the CPU build of torch and
 #      what vLLM imports (requirements/engine-cpu.txt), then vLLM itself without its
 #      dependencies (requirements/engine-nodeps.txt: its torch pin is a CUDA build of
@@ -19,6 +19,8 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   fi
 fi
 python3 -m venv .venv
-.venv/bin/pip install -q -e ".[test]" -r requirements/engine-cpu.txt
-.venv/bin/pip install -q --no-deps -r requirements/engine-nodeps.txt
+# Every version pinned by requirements/test.lock (constraints): a new release upstream cannot
+# change what CI tests with.
+.venv/bin/pip install -q -c requirements/test.lock -e ".[test]" -r requirements/engine-cpu.txt
+.venv/bin/pip install -q --no-deps -c requirements/test.lock -r requirements/engine-nodeps.txt
 PREFILL_GATE_REQUIRE_ENGINE=1 PREFILL_GATE_REQUIRE_DEPLOY_TOOLS=1 exec .venv/bin/python -m pytest "$@"

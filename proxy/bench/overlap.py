@@ -205,6 +205,7 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
         model, server_version = await discover(client, base_url, model)
         maker = PromptMaker(client, base_url, model, seed)
         per_run, raw = [], []
+        tty = sys.stderr.isatty()
         for i in range(runs):
             b_text, _ = await maker.make(shape.b_prompt_tokens)
             a_text, a_count = await maker.make(shape.long_tokens)
@@ -212,14 +213,18 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
             a2_text, _ = await maker.make(shape.long_tokens)
 
             def say(what: str) -> None:
-                if progress:
+                if not progress:
+                    return
+                if tty:  # one line rewritten in place; in a log file, one line each
                     print(f"\r[overlap] run {i + 1}/{runs}: {what:<40}", end="", file=sys.stderr, flush=True)
+                else:
+                    print(f"[overlap] run {i + 1}/{runs}: {what}", file=sys.stderr, flush=True)
 
             say("B alone")
             b_solo = await stream_chat(client, base_url, model, b_text, shape.b_tokens, Trace())
             say("A alone")
             a_solo = await stream_chat(client, base_url, model, a_text, shape.a_tokens, Trace())
-            say("B, then A at B's 64th token")
+            say(f"B, then A at B's token {shape.a_after_b_tokens}")
             a_started = asyncio.Event()
             a_trace = Trace()
             a_task: list[asyncio.Task] = []
@@ -241,7 +246,7 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
             raw.append({"run": i + 1, "a_prompt_tokens": a_count, "b_solo": _trace_json(b_solo, t0),
                         "a_solo": _trace_json(a_solo, t0), "b": _trace_json(b_trace, t0),
                         "a": _trace_json(a_trace, t0)})
-        if progress:
+        if progress and tty:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
     result = {k: percentile([r[k] for r in per_run], 50) for k in KEYS}
     result["spread"] = {k: [min(r[k] for r in per_run), max(r[k] for r in per_run)] for k in KEYS}

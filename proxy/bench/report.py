@@ -128,13 +128,16 @@ def plot_overlap(results: list[dict], path: str | os.PathLike, title: str = "") 
         gaps = [(t1 - t0, (t1 - tp) * 1e3) for tp, t1 in zip(ts, ts[1:])]
         ax.plot([g[0] for g in gaps], [g[1] for g in gaps], lw=0.9, marker=".", ms=2.5, color="tab:blue",
                 label="B inter-token gap")
-        ax.axvspan(a["sent"] - t0, a["end"] - t0, color="tab:orange", alpha=0.18, label="A in flight")
-        if a["tokens"]:
-            ax.axvline(a["tokens"][0] - t0, color="tab:orange", lw=1, ls="--", label="A first token")
+        first = a["tokens"][0] if a["tokens"] else a["end"]
+        # What a client sees of A: sent, no token yet (held by the gate, or prefilling: the
+        # client cannot tell them apart), then streaming.
+        ax.axvspan(a["sent"] - t0, first - t0, color="tab:gray", alpha=0.15, label="A waits for its first token")
+        ax.axvspan(first - t0, a["end"] - t0, color="tab:orange", alpha=0.25, label="A streams")
         ax.set_yscale("log")
-        ax.set_ylabel("gap (ms)")
-        ax.set_title(f"{res.get('config', res.get('target'))}: max gap during A "
-                     f"{res['overlap_itl_ms_max']:.1f} ms, B solo p50 {res['solo_itl_ms_p50']:.1f} ms", fontsize=9)
+        ax.set_ylabel("B's gap (ms)")
+        ax.set_title(f"{res.get('config', res.get('target'))}: B (a streaming answer)'s largest gap while A (a "
+                     f"{run.get('a_prompt_tokens', '?')}-token prompt) is in flight {res['overlap_itl_ms_max']:.1f} ms; "
+                     f"B alone p50 {res['solo_itl_ms_p50']:.1f} ms", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since B was sent")
