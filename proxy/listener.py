@@ -7,7 +7,8 @@ a time (slowloris), holds a socket for as long as it likes. ``HeadDeadline`` giv
 request's head ``client_header_timeout`` seconds, from the connection's start or from the
 first byte after the previous answer, and answers 408 and closes the connection when it
 passes. The body is not under that deadline (a large upload may take its time; the
-request's own bounds apply to it).
+request's own bounds apply to it). A chunked body's trailer fields never join the request's
+headers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class HeadDeadline:
         super().data_received(data)  # type: ignore[misc]
         if self._head_timer is not None and self.cycle is not self._head_cycle:
             self._disarm_head()  # its headers are complete
+
+    def on_headers_complete(self) -> None:
+        """(httptools) The request's headers as its head had them: the parser appends a
+        chunked body's trailer fields to the same list while it reads the body, possibly
+        before the app first runs, and they would be forwarded upstream as headers."""
+        super().on_headers_complete()  # type: ignore[misc]
+        self.scope["headers"] = list(self.scope["headers"])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head()

@@ -53,8 +53,8 @@ async def test_a_hostile_body_does_not_stall_other_clients():
         async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient(timeout=30) as c:
             worst = [
                 tiny_messages(5_400_000),  # 16.2 MB of empty messages
-                json.dumps({"model": "m", "messages": [{"role": "user", "content": "ab"}] * 4096}).encode(),
-                json.dumps({"model": "m", "messages": [{"role": "user", "content": "{" * 15_000_000}]}).encode(),
+                json.dumps({"model": "sim", "messages": [{"role": "user", "content": "ab"}] * 4096}).encode(),
+                json.dumps({"model": "sim", "messages": [{"role": "user", "content": "{" * 15_000_000}]}).encode(),
             ]
             for body in worst:
                 done = asyncio.Event()
@@ -399,3 +399,18 @@ async def test_the_head_deadline_spares_slow_bodies_and_rearms_per_request(fake)
         writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n")  # the next request's head, never finished
         assert (await _read_all(reader, 2.0)).startswith(b"HTTP/1.1 408")
         writer.close()
+
+
+async def test_chunked_trailers_are_not_forwarded_as_headers(fake):
+    state = make_state(httpx.MockTransport(fake))
+    async with serve(create_app(state, health_checks=False), state.settings) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        body = json.dumps(chat("hi", stream=False)).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\ntrailer: x-smuggled\r\n\r\n"
+                     b"%x\r\n%s\r\n0\r\nx-smuggled: yes\r\n\r\n" % (len(body), body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200")
+    sent = fake.requests[-1].headers
+    assert "x-smuggled" not in sent, dict(sent)
