@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kernels.paged_attention import SPLIT_MAX_QUERY
+from kernels.tiles import SPLIT_MAX_QUERY  # constants only: no torch or Triton at plugin load
 
 MODES = ("auto", "0", "1")
 ENV = "PREFILL_GATE_SPEC_AS_DECODE"

@@ -33,10 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 32  # query-tile rows: BLOCK_Q positions x GROUP_PAD heads
-MERGE_ROWS = 4  # rows the fused merge combines at a time
-SPLIT_MAX_QUERY = 8  # rows with query length <= this take the split-KV path
-HEAD_DIMS = (64, 80, 96, 128, 256)
+from kernels.tiles import HEAD_DIMS, MERGE_ROWS, ROWS, SPLIT_MAX_QUERY  # noqa: F401  (re-exported)
 
 
 class LaunchConfig(NamedTuple):

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .overlap import Shape, _chunk_has_content, run_overlap
+from ..relay import is_content
+from .overlap import Shape, run_overlap
 from .report import OVERLAP_COLUMNS, percentile, table, write_json
 from .services import Service
 
@@ -78,7 +79,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict], t
             if not line.startswith("data:") or line.startswith("data: [DONE]"):
                 continue
             obj = json.loads(line[5:])
-            if _chunk_has_content(obj):
+            if is_content(obj):
                 if not turn.first:
                     turn.first = time.monotonic()
                 parts.append(obj["choices"][0]["delta"].get("content") or "")
@@ -108,7 +109,7 @@ async def other_user(url: str, stream: Stream, seed: int) -> None:
             async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data:") and not line.startswith("data: [DONE]") \
-                            and _chunk_has_content(json.loads(line[5:])):
+                            and is_content(json.loads(line[5:])):
                         stream.tokens.append(time.monotonic())
             await asyncio.sleep(1.0)  # think time before the next question
 

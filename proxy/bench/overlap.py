@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from ..relay import is_content  # the proxy's own definition: both count the same chunks
 from .report import percentile
 
 KEYS = ("solo_itl_ms_p50", "solo_itl_ms_p99", "overlap_itl_ms_p50", "overlap_itl_ms_p95", "overlap_itl_ms_p99",
@@ -61,14 +62,6 @@ class Trace:
         return [(b, b - a) for a, b in zip(self.tokens, self.tokens[1:])]
 
 
-def _chunk_has_content(obj: dict) -> bool:
-    for c in obj.get("choices") or ():
-        d = c.get("delta") or {}
-        if c.get("text") or d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
-            return True
-    return False
-
-
 async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, content: str, max_tokens: int,
                       trace: Trace, on_token=None) -> Trace:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
@@ -85,7 +78,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, cont
                 obj = json.loads(line[5:])
                 if "error" in obj:
                     trace.error = str(obj["error"])[:200]
-                elif _chunk_has_content(obj):
+                elif is_content(obj):
                     trace.tokens.append(time.monotonic())
                     if on_token is not None:
                         on_token(len(trace.tokens))

@@ -65,3 +65,15 @@ def test_mode_from_env():
     assert mode_from_env({"PREFILL_GATE_SPEC_AS_DECODE": " 1 "}) == "1"
     with pytest.raises(ValueError, match="PREFILL_GATE_SPEC_AS_DECODE='maybe'"):
         mode_from_env({"PREFILL_GATE_SPEC_AS_DECODE": "maybe"})
+
+
+def test_routing_loads_without_the_kernel():
+    """The plugin imports routing in every vLLM process; Triton and torch load only where
+    --attention-backend CUSTOM selects the kernel (engine_patches/__init__.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, engine_patches.routing; "
+            "print(sorted(m for m in ('triton', 'torch', 'kernels.paged_attention') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
