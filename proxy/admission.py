@@ -324,13 +324,9 @@ class AdmissionPolicy:
         old = self.upstreams[ticket.upstream]
         old.active -= 1
         self._end_prefill(old, ticket)
-        new = min(others, key=lambda u: (u.large_in_flight, u.live_decodes, u.active))
-        ticket.upstream = new.name
-        new.active += 1
-        new.prefilling += 1
-        new.prefill_tokens += ticket.tokens
-        if ticket.cls is RequestClass.LARGE:
-            new.large_in_flight += 1  # (never sliced: see above)
+        admitted_at = ticket.admitted_at  # (its prefill's clock started at its first admission)
+        self._admit(ticket, min(others, key=lambda u: (u.large_in_flight, u.live_decodes, u.active)))
+        ticket.admitted_at = admitted_at
         return self._pump()
 
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:

@@ -85,10 +85,7 @@ def shape_of(body: dict, endpoint: str) -> PromptShape:
         return PromptShape("", 0, token_ids=len(prompt), prompt=prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
         return PromptShape("", 0, token_ids=sum(len(x) for x in prompt), prompt=prompt)
-    if isinstance(prompt, list):
-        _content_text(prompt, parts)
-    else:
-        _content_text(prompt, parts)
+    _content_text(prompt, parts)
     return PromptShape("\n".join(parts), 0, prompt=prompt)
 
 

@@ -453,6 +453,8 @@ class GatedExchange(Exchange):
             out = observer.filter(events)
             if out:
                 await send_body(send, out, True)
+        if observer.saw_error:  # relayed as sent, but not a completed answer (nor a length to learn)
+            self.outcome.kind = "upstream_error"
         await self.end(send)
 
     async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:

@@ -158,16 +158,21 @@ class StreamObserver:
                 self.first_at = self.last_at = now
                 self.tokens = 1
                 self.on_first_content()
-            elif isinstance(obj, dict) and "error" in obj:
+            elif _is_error(obj):
                 self.saw_error = True
             return True
-        if ev.startswith(b"data:") and b'"choices":[]' not in ev:
+        if b'"error"' in ev and _is_error(event_json(ev)):  # (a cheap test first: the hot path skips it)
+            self.saw_error = True
+        elif ev.startswith(b"data:") and b'"choices":[]' not in ev:
             self.tokens += 1
             self.on_token_gap(now - self.last_at)
             self.last_at = now
-        elif b'"error"' in ev:
-            self.saw_error = True
         return True
+
+
+def _is_error(obj: Any) -> bool:
+    """An error event (``{"error": ...}``), not a chunk whose text says "error"."""
+    return isinstance(obj, dict) and "error" in obj and "choices" not in obj
 
 
 @dataclass

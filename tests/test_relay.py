@@ -67,3 +67,27 @@ def test_observer_sees_in_stream_errors():
     obs = StreamObserver(lambda: None, lambda s: None)
     obs.filter([ev({"error": {"message": "boom"}})])
     assert obs.saw_error and obs.first_at is None
+
+
+async def test_an_error_event_in_the_stream_is_not_counted_as_completed():
+    import httpx
+
+    from conftest import CHAT, chat, make_state
+    from proxy.app import create_app
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        async def events():
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+            yield b'data: {"error":{"message":"engine died","type":"server_error","code":500}}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    state = make_state(httpx.MockTransport(upstream))
+    app = create_app(state, health_checks=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+        r = await c.post(CHAT, json=chat("hi", stream=True))
+    assert r.status_code == 200 and b"engine died" in r.content  # relayed as sent
+    reg = state.metrics.registry
+    assert reg.get_sample_value("prefill_gate_requests_total", {"class": "interactive", "outcome": "upstream_error"}) == 1
+    assert reg.get_sample_value("prefill_gate_requests_total", {"class": "interactive", "outcome": "completed"}) == 0
