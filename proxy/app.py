@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import re
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -26,8 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .admission import AdmissionPolicy, Limits, Slicing, Ticket, UpstreamState
-from .capabilities import MAX_METRICS_BYTES, Capabilities, parse_cache_config
+from .admission import AdmissionPolicy, Limits, Slicing
 from .auth import OPEN_PATHS, KeyCheck
 from .errors import BadRequest, HeadersTooLarge, MethodNotAllowed, NotFound, ProxyError, Unauthorized
 from .estimate import (
@@ -44,70 +42,14 @@ from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .predict import Predictor
 from .prefix_memory import PrefixMemory
+from .routing import Routing
 from .settings import Settings
-from .upstream import UpstreamClient, UpstreamError
+from .state import AppState
+from .upstream import UpstreamClient
 
 log = logging.getLogger("prefill_gate")
 
 PASSTHROUGH_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    metrics: Metrics
-    policy: AdmissionPolicy
-    gate: Gate
-    client: UpstreamClient
-    estimator: Estimator
-    prefix_memory: PrefixMemory
-    health: dict[str, bool] = field(default_factory=dict)
-    keys: KeyCheck | None = None
-    exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
-    predictor: Predictor | None = None
-    caps: dict[str, Capabilities] = field(default_factory=dict)  # slicing: what each upstream can do
-
-    def end_exchanges(self) -> int:
-        """Shutdown's grace is over: end every request in progress with an error."""
-        live = list(self.exchanges)
-        for exchange in live:
-            exchange.stop()
-        return len(live)
-
-    def mark_health(self, upstream: str, healthy: bool) -> None:
-        if self.health.get(upstream) != healthy:
-            log.info("upstream %s is %s", upstream, "up" if healthy else "down")
-        self.health[upstream] = healthy
-        self.metrics.upstream_up.labels(upstream).set(1 if healthy else 0)
-        self.gate.set_health(upstream, healthy)
-
-    def set_capabilities(self, upstream: str, caps: Capabilities) -> None:
-        old = self.caps.get(upstream)
-        if old != caps:
-            if caps.can_slice:
-                log.info("upstream %s can be sliced (KV blocks of %d tokens)", upstream, caps.block_size)
-            else:
-                log.warning("upstream %s cannot be sliced, large prefills are held there: %s", upstream,
-                            caps.why_not())
-        self.caps[upstream] = caps
-        self.policy.upstreams[upstream].can_slice = caps.can_slice
-        self.metrics.can_slice.labels(upstream).set(1 if caps.can_slice else 0)
-        if caps.can_slice:
-            self.gate.set_health(upstream, self.policy.upstreams[upstream].healthy)  # a held prompt may slice now
-
-    def choose_slice(self, ticket: Ticket, up: UpstreamState) -> bool:
-        """Slicing auto: slice this held ticket on ``up`` rather than hold it?"""
-        choice = self.predictor.choose(up.name, ticket.tokens)
-        if ticket.chosen is not choice.slice:  # log each change of mind once
-            ticket.chosen = choice.slice
-            log.info("large prefill #%d (%d tokens) on %s: %s (%s; hold then prefill ~%.2f s, slice ~%.2f s)",
-                     ticket.id, ticket.tokens, up.name, "slice" if choice.slice else "hold", choice.reason,
-                     choice.finish_hold_s, choice.finish_slice_s)
-        return choice.slice
-
-    def pick_upstream(self) -> str:
-        up = [u for u in self.settings.upstreams if self.health.get(u, True)]
-        return (up or self.settings.upstreams)[0]
 
 
 def _exact_counter(settings: Settings, client: UpstreamClient, state_ref: list) -> ExactCounter | None:
@@ -168,8 +110,10 @@ def build_state(
         exact if exact is not None else _exact_counter(settings, client, state_ref),
         band=settings.exact_count_band,
     )
-    state = AppState(settings, metrics, policy, Gate(policy, metrics), client, estimator,
+    gate = Gate(policy, metrics)
+    state = AppState(settings, metrics, policy, gate, client, estimator,
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
+                     Routing(settings.upstreams, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
                      predictor=predictor)
     policy.chooser = state.choose_slice
@@ -178,31 +122,6 @@ def build_state(
     for u in settings.upstreams:
         metrics.upstream_up.labels(u).set(1)
     return state
-
-
-async def probe_capabilities(client: UpstreamClient, upstream: str) -> Capabilities:
-    """Block size and prefix caching from vLLM's /metrics, and whether /tokenize answers."""
-    try:
-        status, page = await client.request_bytes(upstream, "GET", "/metrics", limit=MAX_METRICS_BYTES, timeout=2.0)
-        block, caching = parse_cache_config(page) if status == 200 else (None, False)
-        status, body = await client.request_bytes(upstream, "POST", "/tokenize", b'{"prompt":"a"}',
-                                                  limit=64 * 1024, timeout=2.0)
-    except UpstreamError:
-        return Capabilities()
-    return Capabilities(block, caching, status == 200 and b'"tokens"' in body)
-
-
-async def _health_loop(state: AppState) -> None:
-    ups = state.settings.upstreams
-    while True:
-        results = await asyncio.gather(*(state.client.healthy(u) for u in ups))
-        for u, ok in zip(ups, results):
-            state.mark_health(u, ok)
-        if state.settings.slicing != "off":
-            up = [u for u, ok in zip(ups, results) if ok]
-            for u, c in zip(up, await asyncio.gather(*(probe_capabilities(state.client, u) for u in up))):
-                state.set_capabilities(u, c)
-        await asyncio.sleep(state.settings.health_interval)
 
 
 HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -276,7 +195,8 @@ class GateApp:
 def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(_health_loop(state)) if health_checks else None
+        task = asyncio.create_task(state.routing.check_forever(
+            state.client, state.settings.health_interval, state.settings.slicing != "off")) if health_checks else None
         try:
             yield
         finally:
@@ -310,7 +230,7 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     async def ready():
         """Readiness, for load balancers: 200 while at least one upstream passed its latest
         health check, else 503 (before the first check too)."""
-        passing = [u for u in state.settings.upstreams if state.health.get(u) is True]
+        passing = state.routing.passing()
         body = {"ready": bool(passing), "upstreams_passing": len(passing),
                 "upstreams": len(state.settings.upstreams)}
         return JSONResponse(body, status_code=200 if passing else 503)
@@ -319,7 +239,7 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     async def health():
         """Liveness: 200 while the proxy answers; ``status`` says whether any upstream passes."""
         ups = state.policy.snapshot().upstreams
-        passing = any(state.health.get(u) is True for u in state.settings.upstreams)
+        passing = bool(state.routing.passing())
         body = {
             "status": "ok" if passing else "no_upstream_passing",
             "queue_depth": state.policy.queue_depth,

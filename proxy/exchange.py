@@ -40,7 +40,7 @@ from .upstream import UpstreamError, mapped_errors, read_limited, response_heade
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .app import AppState
+    from .state import AppState
     from .gate import Lease
     from .predict import Predictor
 

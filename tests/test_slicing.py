@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from conftest import CHAT, chat, hold_stream, proxy_client, sample, serve
 from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Slicing, Ticket
-from proxy.app import build_state, create_app, probe_capabilities
+from proxy.app import build_state, create_app
+from proxy.routing import probe_capabilities
 from proxy.capabilities import Capabilities, parse_cache_config
 from proxy.settings import load_settings
 from proxy.sim.engine import CostModel, Engine, EngineConfig
