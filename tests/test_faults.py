@@ -60,13 +60,15 @@ async def _maybe_abandon(c: httpx.AsyncClient, url: str, rng, stats: dict) -> No
     body = {"model": "sim", "stream": rng.random() < 0.8, "max_tokens": rng.randint(1, 200), "ignore_eos": True,
             "messages": [{"role": "user", "content": content}]}
     abandon_after = rng.choice([None, 0.0, 0.005, 0.02, 0.1, 0.3])  # None: read to the end
+    async def read() -> None:
+        async with c.stream("POST", url + CHAT, json=body) as r:
+            async for _ in r.aiter_raw():
+                pass
+            stats[r.status_code] = stats.get(r.status_code, 0) + 1
+
     try:
-        async with asyncio.timeout(abandon_after):  # None: no deadline
-            async with c.stream("POST", url + CHAT, json=body) as r:
-                async for _ in r.aiter_raw():
-                    pass
-                stats[r.status_code] = stats.get(r.status_code, 0) + 1
-    except TimeoutError:
+        await asyncio.wait_for(read(), abandon_after)  # None: no deadline (asyncio.timeout is 3.11+)
+    except asyncio.TimeoutError:
         stats["abandoned"] = stats.get("abandoned", 0) + 1  # the client went away mid-request
 
 
