@@ -38,6 +38,7 @@ from .estimate import (
 )
 from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
 from .gate import Gate
+from .labels import OutcomeKind
 from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .predict import Predictor
@@ -186,7 +187,7 @@ class GateApp:
         try:
             req = await prepare(self.state, Request(scope, receive), endpoint)
         except ProxyError as exc:
-            self.state.metrics.requests.labels("interactive", "bad_request").inc()
+            self.state.metrics.requests.labels("interactive", OutcomeKind.BAD_REQUEST).inc()
             await exc.response()(scope, receive, send)
             return
         await GatedExchange(self.state, req)(scope, receive, send)

@@ -28,11 +28,14 @@ import math
 
 from starlette.responses import JSONResponse
 
+from .labels import ErrorKind, OutcomeKind
+
 
 class ProxyError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
+    outcome = OutcomeKind.BAD_REQUEST  # the requests_total{outcome} it ends a request with
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
@@ -74,6 +77,7 @@ class ShuttingDown(ProxyError):
     status = 503
     type = "server_error"
     code = "proxy_shutting_down"
+    outcome = OutcomeKind.SHUTDOWN
 
 
 class BodyTooLarge(ProxyError):
@@ -111,6 +115,7 @@ class QueueFull(ProxyError):
     status = 429
     type = "rate_limit_error"
     code = "prefill_queue_full"
+    outcome = OutcomeKind.REJECTED
 
     def __init__(self, message: str, *, retry_after: float):
         super().__init__(message)
@@ -124,30 +129,32 @@ class QueueTimeout(ProxyError):
     status = 503
     type = "server_error"
     code = "prefill_queue_timeout"
+    outcome = OutcomeKind.REJECTED
 
 
 class UpstreamError(ProxyError):
     """Base of upstream failures; ``kind`` is the bounded metric label."""
 
-    kind = "other"
+    kind = ErrorKind.OTHER
+    outcome = OutcomeKind.UPSTREAM_ERROR
 
 
 class UpstreamUnavailable(UpstreamError):
     status = 502
     type = "server_error"
     code = "upstream_unavailable"
-    kind = "connect"
+    kind = ErrorKind.CONNECT
 
 
 class UpstreamProtocolError(UpstreamError):
     status = 502
     type = "server_error"
     code = "upstream_protocol_error"
-    kind = "protocol"
+    kind = ErrorKind.PROTOCOL
 
 
 class UpstreamTimeout(UpstreamError):
     status = 504
     type = "server_error"
     code = "upstream_timeout"
-    kind = "timeout"
+    kind = ErrorKind.TIMEOUT

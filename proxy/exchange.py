@@ -22,6 +22,7 @@ import httpx
 from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
+from .labels import ErrorKind, OutcomeKind
 from .estimate import Estimate, shape_of
 from .prefix_memory import prefix_hashes
 from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices, tokenize_payload
@@ -405,8 +406,8 @@ class GatedExchange(Exchange):
         """An upstream error answer after keep-alives spent the status line: its JSON body
         unchanged as one SSE event (a non-JSON body wrapped in an OpenAI error)."""
         body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
-        self.outcome.kind = "upstream_http_error"
-        self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
+        self.outcome.kind = OutcomeKind.UPSTREAM_HTTP_ERROR
+        self.outcome.http_kind = ErrorKind.of_status(resp.status_code)
         try:
             json.loads(body)
             # One line (an SSE data field cannot hold newlines; in JSON they are only whitespace).
@@ -427,8 +428,8 @@ class GatedExchange(Exchange):
                 except (ValueError, AttributeError):
                     pass
         else:
-            self.outcome.kind = "upstream_http_error"
-            self.outcome.extra["http_kind"] = "http_4xx" if resp.status_code < 500 else "http_5xx"
+            self.outcome.kind = OutcomeKind.UPSTREAM_HTTP_ERROR
+            self.outcome.http_kind = ErrorKind.of_status(resp.status_code)
         await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
         await self.end(send, body)
 
@@ -454,7 +455,7 @@ class GatedExchange(Exchange):
             if out:
                 await send_body(send, out, True)
         if observer.saw_error:  # relayed as sent, but not a completed answer (nor a length to learn)
-            self.outcome.kind = "upstream_error"
+            self.outcome.kind = OutcomeKind.UPSTREAM_ERROR
         await self.end(send)
 
     async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
@@ -507,12 +508,12 @@ class GatedExchange(Exchange):
         m.requests.labels(req.ticket.cls.value, outcome.kind).inc()
         upstream = self.lease.upstream if self.lease else None
         if upstream is not None and self.observer is not None and self.observer.first_at is not None:
-            st.predictor.stream_ended(upstream, id(self), self.observer.tokens, outcome.kind == "completed")
+            st.predictor.stream_ended(upstream, id(self), self.observer.tokens, outcome.kind is OutcomeKind.COMPLETED)
         if upstream is not None:
-            kind = outcome.extra.get("http_kind") or getattr(outcome.error, "kind", None)
+            kind = outcome.http_kind or getattr(outcome.error, "kind", None)
             if kind is not None:
                 m.upstream_errors.labels(upstream, kind).inc()
-            if kind == "connect":
+            if kind is ErrorKind.CONNECT:
                 st.mark_health(upstream, False)
         usage = self.usage or {}
         prompt_tokens = usage.get("prompt_tokens")

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 from .admission import AdmissionPolicy, Decision, Phase, Ticket
 from .errors import QueueFull, QueueTimeout
+from .labels import AdmissionLabel
 from .metrics import Metrics
 
 
@@ -104,14 +105,14 @@ class Gate:
     async def _acquire(self, ticket: Ticket) -> None:
         decision = self.policy.submit(ticket)
         if decision is Decision.REJECTED:
-            self._count(ticket, "rejected_queue_full")
+            self._count(ticket, AdmissionLabel.REJECTED_QUEUE_FULL)
             raise QueueFull(
                 f"{self.policy.queue_depth} large prefills ({self.policy.queued_bytes} bytes) are already "
                 "queued; retry later (max_queue, max_queued_bytes)",
                 retry_after=self.policy.retry_after(),
             )
         if decision in (Decision.ADMITTED, Decision.SLICING):
-            self._count(ticket, "immediate" if decision is Decision.ADMITTED else "slicing")
+            self._count(ticket, AdmissionLabel.IMMEDIATE if decision is Decision.ADMITTED else AdmissionLabel.SLICING)
             self._sync()
             return
         self._sync()
@@ -126,16 +127,16 @@ class Gate:
                 await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, ticket.deadline - self.policy.clock()))
             except asyncio.TimeoutError:
                 if ticket.phase is Phase.QUEUED and self.policy.expire(ticket) is Decision.REJECTED:
-                    self._count(ticket, "rejected_timeout", waited=True)
+                    self._count(ticket, AdmissionLabel.REJECTED_TIMEOUT, waited=True)
                     raise QueueTimeout(
                         f"waited {self.policy.limits.max_queue_wait:g} s for live decodes to finish "
                         "(max_queue_wait; set on_queue_timeout=admit to admit instead)"
                     ) from None
-            decision = "after_timeout" if ticket.expired else "after_wait"
-            self._count(ticket, "slicing" if ticket.phase is Phase.SLICING else decision, waited=True)
+            decision = AdmissionLabel.AFTER_TIMEOUT if ticket.expired else AdmissionLabel.AFTER_WAIT
+            self._count(ticket, AdmissionLabel.SLICING if ticket.phase is Phase.SLICING else decision, waited=True)
         except asyncio.CancelledError:
             # The client went away while queued (or just as it was admitted).
-            self._count(ticket, "cancelled", waited=True)
+            self._count(ticket, AdmissionLabel.CANCELLED, waited=True)
             if ticket.phase is not Phase.DONE:
                 self._wake(self.policy.finish(ticket))
             raise
@@ -174,7 +175,7 @@ class Gate:
                 fut.set_result(None)
         self._sync()
 
-    def _count(self, ticket: Ticket, decision: str, waited: bool = False) -> None:
+    def _count(self, ticket: Ticket, decision: AdmissionLabel, waited: bool = False) -> None:
         if self.metrics is None:
             return
         self.metrics.admissions.labels(ticket.cls.value, decision).inc()

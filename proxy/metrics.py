@@ -12,12 +12,12 @@ from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .labels import AdmissionLabel, ErrorKind, OutcomeKind
+
 CLASSES = ("interactive", "large")
-OUTCOMES = ("completed", "client_disconnect", "upstream_error", "upstream_http_error", "rejected", "bad_request",
-            "shutdown")
-ADMISSIONS = ("immediate", "slicing", "after_wait", "after_timeout", "rejected_queue_full", "rejected_timeout",
-              "cancelled")
-ERROR_KINDS = ("connect", "timeout", "protocol", "http_4xx", "http_5xx")
+OUTCOMES = tuple(k.value for k in OutcomeKind)
+ADMISSIONS = tuple(d.value for d in AdmissionLabel)
+ERROR_KINDS = tuple(k.value for k in ErrorKind if k is not ErrorKind.OTHER)
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
 _WAIT = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)

@@ -16,19 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
+from .labels import ErrorKind, OutcomeKind
 from .errors import (
     ProxyError,
-    QueueFull,
-    QueueTimeout,
     ShuttingDown,
-    UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
@@ -177,11 +175,12 @@ def _is_error(obj: Any) -> bool:
 
 @dataclass
 class Outcome:
-    """How an exchange ended; ``kind`` is the bounded metric label."""
+    """How an exchange ended: the label, the error if one ended it, and for an upstream's
+    own 4xx/5xx answer (relayed as it was) its kind."""
 
-    kind: str = "completed"
+    kind: OutcomeKind = OutcomeKind.COMPLETED
     error: ProxyError | None = None
-    extra: dict = field(default_factory=dict)
+    http_kind: ErrorKind | None = None
 
 
 async def send_start(send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -253,20 +252,20 @@ class Exchange(Response):
                     await self.run(send)
                 except ProxyError as exc:
                     self.outcome.error = exc
-                    self.outcome.kind = _outcome_kind(exc)
+                    self.outcome.kind = exc.outcome
                     await self._send_error(send, exc)
                 except OSError:  # the socket went away under a send
-                    self.outcome.kind = "client_disconnect"
+                    self.outcome.kind = OutcomeKind.CLIENT_DISCONNECT
                 except asyncio.CancelledError:
                     exc = self._ended_by
                     if exc is None:
                         raise
                     if hasattr(self._task, "uncancel"):  # Python 3.11+
                         self._task.uncancel()
-                    self.outcome.error, self.outcome.kind = exc, _outcome_kind(exc)
+                    self.outcome.error, self.outcome.kind = exc, exc.outcome
                     await self._send_error(send, exc)
             if self._watch.gone:
-                self.outcome.kind = "client_disconnect"
+                self.outcome.kind = OutcomeKind.CLIENT_DISCONNECT
         finally:
             if timer is not None:
                 timer.cancel()
@@ -288,14 +287,6 @@ class Exchange(Response):
             pass
 
 
-def _outcome_kind(exc: ProxyError) -> str:
-    if isinstance(exc, ShuttingDown):
-        return "shutdown"
-    if isinstance(exc, (QueueFull, QueueTimeout)):
-        return "rejected"
-    if isinstance(exc, UpstreamError):
-        return "upstream_error"
-    return "bad_request"
 
 
 async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:

@@ -91,3 +91,17 @@ async def test_an_error_event_in_the_stream_is_not_counted_as_completed():
     reg = state.metrics.registry
     assert reg.get_sample_value("prefill_gate_requests_total", {"class": "interactive", "outcome": "upstream_error"}) == 1
     assert reg.get_sample_value("prefill_gate_requests_total", {"class": "interactive", "outcome": "completed"}) == 0
+
+
+def test_each_error_names_its_outcome_and_labels_print_as_their_values():
+    from proxy.errors import (BadRequest, QueueFull, QueueTimeout, ShuttingDown, UpstreamProtocolError,
+                              UpstreamTimeout, UpstreamUnavailable)
+    from proxy.labels import ErrorKind, OutcomeKind
+
+    assert BadRequest("x").outcome is OutcomeKind.BAD_REQUEST
+    assert QueueFull("x", retry_after=1).outcome is QueueTimeout("x").outcome is OutcomeKind.REJECTED
+    assert ShuttingDown("x").outcome is OutcomeKind.SHUTDOWN
+    assert all(e("x").outcome is OutcomeKind.UPSTREAM_ERROR
+               for e in (UpstreamUnavailable, UpstreamProtocolError, UpstreamTimeout))
+    assert (UpstreamUnavailable.kind, UpstreamTimeout.kind) == (ErrorKind.CONNECT, ErrorKind.TIMEOUT)
+    assert str(OutcomeKind.CLIENT_DISCONNECT) == "client_disconnect" and ErrorKind.of_status(503) == "http_5xx"

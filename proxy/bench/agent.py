@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..relay import is_content
-from .overlap import Shape, run_overlap
+from .overlap import run_overlap
 from .report import OVERLAP_COLUMNS, percentile, table, write_json
 from .services import Service
 
