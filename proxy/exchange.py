@@ -8,12 +8,13 @@ three run in the route handler and answer 4xx directly; the rest run inside the
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import logging
 
@@ -183,6 +184,7 @@ class GatedRequest:
     max_tokens: int | None = None
     slice_payload: dict | None = None  # the /tokenize request for its ids (sliceable requests)
     cache_salt: str | None = None
+    token_ids: Sequence[int] | None = None  # slicing auto: counted exactly on arrival, reused by the slicer
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
@@ -222,9 +224,23 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         raw = json.dumps(body).encode()
         drop_usage = True
-    slice_payload = None
+    slice_payload = token_ids = None
     if cls is RequestClass.LARGE and state.settings.slicing != Slicing.OFF:
         slice_payload = tokenize_payload(body, endpoint)
+    if slice_payload is not None and state.settings.slicing == Slicing.AUTO:
+        # Auto weighs holding against slicing by the prompt's tokens: count them exactly
+        # (slicing needs the ids anyway), so that a tokenizer far from the calibrated
+        # bytes-per-token cannot make it misjudge (an estimate of 7,153 for a 28,600-token
+        # prompt chose slicing on the H200); the count calibrates later estimates too.
+        token_ids = await fetch_token_ids(state, slice_payload, state.pick_upstream())
+        if token_ids is not None and estimate.method != "token_ids":
+            state.estimator.observe(model, estimate, len(token_ids))
+            cached = min(estimate.cached, len(token_ids))
+            estimate = Estimate(len(token_ids) - cached, "exact", estimate.n_bytes, estimate.n_messages, cached)
+            cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
+                           state.settings.class_header)
+            if cls is not RequestClass.LARGE:  # smaller than estimated: nothing to hold or slice
+                slice_payload = token_ids = None
     ticket = Ticket(
         cls=cls,
         tokens=estimate.tokens,
@@ -240,7 +256,28 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
                         estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
-                        max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt)
+                        max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt, token_ids)
+
+
+async def fetch_token_ids(state: "AppState", payload: dict, upstream: str) -> Sequence[int] | None:
+    """The prompt's exact token ids from the upstream's ``/tokenize`` (``payload`` from
+    ``slicer.tokenize_payload``), as a compact array; None when it cannot say."""
+    if "ids" in payload:
+        return payload["ids"]
+    try:
+        status, body = await state.client.request_bytes(
+            upstream, "POST", "/tokenize", json.dumps(payload).encode(),
+            limit=TOKEN_IDS_LIMIT_FACTOR * state.settings.max_body_bytes, timeout=state.settings.read_timeout)
+        if status != 200:
+            raise ValueError(f"status {status}: {body[:200]!r}")
+        answer = json.loads(body) if len(body) < 1 << 18 else await asyncio.to_thread(json.loads, body)
+        ids = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(ids, list) or not ids or not all(type(x) is int for x in ids):
+            raise ValueError("no 'tokens' list of integers in the answer")
+        return array.array("q", ids)  # 8 bytes an id, not a Python int's 28 (held while queued)
+    except (UpstreamError, ValueError, OverflowError) as exc:
+        log.info("/tokenize on %s: %s", upstream, getattr(exc, "message", exc))
+        return None
 
 
 async def slice_window_end(predictor: "Predictor", upstream: str, wait_s: float = WINDOW_END_WAIT_S) -> float | None:
@@ -359,26 +396,14 @@ class GatedExchange(Exchange):
                         run.tokens, len(ids), run.stopped)
         lease.sliced(max(1, len(ids) - run.tokens))
 
-    async def _token_ids(self, upstream: str) -> list[int] | None:
-        payload = self.req.slice_payload
-        if "ids" in payload:
-            return payload["ids"]
-        st = self.state
-        try:
-            status, body = await st.client.request_bytes(
-                upstream, "POST", "/tokenize", json.dumps(payload).encode(),
-                limit=TOKEN_IDS_LIMIT_FACTOR * st.settings.max_body_bytes, timeout=st.settings.read_timeout)
-            if status != 200:
-                raise ValueError(f"status {status}: {body[:200]!r}")
-            answer = json.loads(body) if len(body) < 1 << 18 else await asyncio.to_thread(json.loads, body)
-            ids = answer.get("tokens") if isinstance(answer, dict) else None
-            if not isinstance(ids, list) or not ids or not all(type(x) is int for x in ids):
-                raise ValueError("no 'tokens' list of integers in the answer")
-            return ids
-        except (UpstreamError, ValueError) as exc:
-            log.warning("cannot slice request #%d: /tokenize on %s: %s; holding it instead", self.req.ticket.id,
-                        upstream, getattr(exc, "message", exc))
-            return None
+    async def _token_ids(self, upstream: str) -> Sequence[int] | None:
+        if self.req.token_ids is not None:  # counted exactly when it arrived (slicing: auto)
+            return self.req.token_ids
+        ids = await fetch_token_ids(self.state, self.req.slice_payload, upstream)
+        if ids is None:
+            log.warning("cannot slice request #%d: no token ids from /tokenize on %s; holding it instead",
+                        self.req.ticket.id, upstream)
+        return ids
 
     async def _keepalive(self, send, admitted: asyncio.Event, every: float) -> None:
         """While held: the 200 and an SSE comment at once, then one every ``every`` seconds,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 # A slice's own answer is one token of JSON: anything longer is not vLLM.
 MAX_SLICE_ANSWER_BYTES = 64 * 1024
@@ -91,7 +91,7 @@ class IdPrefixes:
     """One JSON encoding of the ids, cut at block boundaries: a slice's ``prompt`` costs a
     slice of bytes, not an encoding of its whole prefix."""
 
-    def __init__(self, ids: list[int], block: int):
+    def __init__(self, ids: Sequence[int], block: int):
         self.n = len(ids)
         self.block = block
         text = ",".join(map(str, ids))
@@ -146,7 +146,7 @@ class SliceRun:
 SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream answered 200
 
 
-async def run_slices(ids: list[int], block: int, sizer: SliceSizer, send: SendSlice, *,
+async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: SendSlice, *,
                      model: str | None, cache_salt: str | None, deadline: float,
                      window: Callable[[], None], window_end: Callable[[], Awaitable[float | None]],
                      settle: Callable[[], Awaitable[float]] | None = None,

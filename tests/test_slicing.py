@@ -436,3 +436,37 @@ async def test_a_slices_window_waits_for_the_gap_that_arrives_after_its_answer()
     t = asyncio.get_running_loop().time()
     assert await slice_window_end(p, "u", wait_s=0.05) is None
     assert asyncio.get_running_loop().time() - t < 0.2
+
+
+async def test_auto_counts_a_long_prompt_exactly_before_choosing_and_reuses_the_ids():
+    """The simulator's tokens are characters: 4 bytes per token is a 4x under-count."""
+    engine = Engine(EngineConfig(max_num_batched_tokens=8192), COST)
+    tokenized = []
+    async with serve(create_sim_app(engine)) as sim_url:
+        settings = load_settings({"upstreams": [sim_url], "large_prefill_tokens": 1000, "slicing": "auto"},
+                                 environ={})
+        state = build_state(settings, registry=CollectorRegistry())
+        state.set_capabilities(sim_url, await probe_capabilities(state.client, sim_url))
+        request_bytes = state.client.request_bytes
+
+        async def counting(upstream, method, path, *args, **kwargs):
+            if path == "/tokenize":
+                tokenized.append(path)
+            return await request_bytes(upstream, method, path, *args, **kwargs)
+
+        state.client.request_bytes = counting
+        seen = []
+        submit = state.policy.submit
+        state.policy.submit = lambda t: (seen.append(t.tokens), submit(t))[1]
+        async with serve(create_app(state, health_checks=False)) as url, \
+                httpx.AsyncClient(base_url=url, timeout=30) as client:
+            r = await client.post(CHAT, json=long_chat(6000, stream=False))
+            assert r.status_code == 200
+            b_cm, _b_it = await start_b(client)
+            r = await client.post(CHAT, json=long_chat(6000, stream=False))  # sliced next to B
+            assert r.status_code == 200
+            await b_cm.__aexit__(None, None, None)
+    exact = len(render_chat(long_chat(6000)["messages"]))
+    assert seen[0] == seen[-1] == exact  # not the 4-bytes-per-token estimate (~1,500)
+    assert len(tokenized) == 2  # once per prompt: the slicer reused the ids it was counted with
+    assert state.estimator.calibrator.ratio("sim") < 1.5  # learned, from the counts and usage: a byte a token
