@@ -5,6 +5,7 @@ Routes:
   any  /v1/*, /tokenize, /detokenize, /version  passed through unchanged
   GET  /health                                  liveness: the proxy and which upstreams answer
   GET  /ready                                   readiness: 200 while an upstream passes its checks, else 503
+  GET  /vllm/metrics                            the upstream's metrics, held requests counted as waiting
   GET  /metrics                                 Prometheus text
 
 The gate's state lives in this process: run one uvicorn worker per proxy.
@@ -27,7 +28,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import AdmissionPolicy, Limits, Slicing
 from .auth import OPEN_PATHS, KeyCheck
-from .errors import BadRequest, HeadersTooLarge, MethodNotAllowed, NotFound, ProxyError, Unauthorized
+from .errors import (
+    BadRequest,
+    HeadersTooLarge,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    Unauthorized,
+    UpstreamUnavailable,
+)
 from .estimate import (
     Calibrator,
     Estimator,
@@ -38,6 +47,7 @@ from .estimate import (
 )
 from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
 from .gate import Gate
+from .gateway import add_held, upstream_page
 from .labels import OutcomeKind
 from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
@@ -264,6 +274,24 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
                  responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
         async def metrics():
             return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/vllm/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "the upstream vLLM's metrics, held requests added to "
+                              "vllm:num_requests_waiting", "content": {"text/plain": {}}},
+                        404: {"description": "more than one upstream"},
+                        502: {"description": "the upstream's /metrics did not answer"}})
+    async def vllm_metrics():
+        """For inference gateways: the upstream's own metrics page, with the requests the
+        gate holds there added to ``vllm:num_requests_waiting`` (a sidecar's one upstream)."""
+        ups = state.settings.upstreams
+        if len(ups) != 1:
+            return NotFound("/vllm/metrics serves a proxy with one upstream (a sidecar)").response()
+        page = await upstream_page(state.client, ups[0])
+        if page is None:
+            return UpstreamUnavailable(f"upstream {ups[0]} did not answer /metrics").response()
+        up = state.policy.upstreams[ups[0]]
+        held = state.policy.queue_depth + (1 if up.slicer is not None else 0)
+        return Response(add_held(page, held), media_type=CONTENT_TYPE_LATEST)
 
     def gated(path: str, model: type, summary: str) -> None:
         """Describe a gated endpoint in /openapi.json. GateApp answers these POSTs before

@@ -1,0 +1,112 @@
+"""deploy/k8s: every manifest (the base, and the paced overlay with its patch applied)
+validated strictly against Kubernetes 1.33's schemas (kubernetes-validate, failing on its
+warnings too), and the sidecar's settings checked against the vLLM container beside it.
+No cluster here: these are the checks that need none."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+import yaml
+
+from proxy.settings import Settings
+from tests.deploy.conftest import ROOT
+
+if os.environ.get("PREFILL_GATE_REQUIRE_DEPLOY_TOOLS") == "1":
+    import kubernetes_validate as kv  # scripts/test.sh installs it: fail loudly
+else:
+    kv = pytest.importorskip("kubernetes_validate")
+
+K8S = ROOT / "deploy" / "k8s"
+VERSION = "1.33"
+
+
+def base() -> list[dict]:
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs += [d for d in yaml.safe_load_all((K8S / "base" / name).read_text()) if d]
+    return docs
+
+
+def json_patch(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 'add' (the only op the overlays use), on a copy."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add", op
+        *parents, last = op["path"].lstrip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node.insert(len(node) if last == "-" else int(last), op["value"])
+        else:
+            node[last] = op["value"]
+    return doc
+
+
+def paced() -> list[dict]:
+    overlay = yaml.safe_load((K8S / "overlays" / "paced" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../../base"]
+    docs = base()
+    for patch in overlay["patches"]:
+        ops = json.loads((K8S / "overlays" / "paced" / patch["path"]).read_text())
+        target = patch["target"]
+        docs = [json_patch(d, ops) if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"]) else d
+                for d in docs]
+    return docs
+
+
+@pytest.mark.parametrize("variant", [base, paced])
+def test_every_manifest_validates_strictly(variant):
+    docs = variant()
+    assert {d["kind"] for d in docs} == {"Deployment", "Service"}
+    for doc in docs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an unknown kind only warns: that fails here
+            kv.validate(doc, VERSION, strict=True)
+
+
+def test_validation_can_fail():
+    doc = base()[0]
+    doc["spec"]["template"]["spec"]["containers"][1]["readinessProbe"]["httpGet"]["pathh"] = "/ready"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(doc, VERSION, strict=True)
+
+
+def containers(docs: list[dict]) -> dict[str, dict]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith(name + "=")), None)
+
+
+@pytest.mark.parametrize("variant", [base, paced])
+def test_the_sidecar_matches_the_vllm_beside_it(variant):
+    docs = variant()
+    c = containers(docs)
+    vllm, gate = c["vllm"], c["prefill-gate"]
+    port = int(flag(vllm["args"], "--port"))
+    assert vllm["ports"] == [{"name": "vllm", "containerPort": port}]
+    assert flag(gate["args"], "--upstream") == f"http://127.0.0.1:{port}"  # its own engine, in the pod
+    assert "--enable-prompt-tokens-details" in vllm["args"]  # slicing's cache-miss counter needs it
+    assert gate["readinessProbe"]["httpGet"]["path"] == "/ready" and gate["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gate["securityContext"]["runAsNonRoot"] is True
+    spec = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    grace = Settings.model_fields["shutdown_grace"].default
+    assert spec["spec"]["terminationGracePeriodSeconds"] > grace + 10
+    assert spec["metadata"]["annotations"]["prometheus.io/port"] == str(gate["ports"][0]["containerPort"])
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == gate["ports"][0]["name"]  # clients reach the gate
+    for value in (flag(gate["args"], "--itl-slo-ms"),):
+        if value is not None:  # the closed loop only next to a pacing engine
+            env = {e["name"]: e["value"] for e in vllm.get("env", [])}
+            assert env.get("PREFILL_GATE_PACING") == "adaptive" and flag(vllm["args"], "--scheduler-cls")
+    names = {"--" + n.replace("_", "-") for n in Settings.model_fields} | {"--upstream"}
+    assert all(a.split("=", 1)[0] in names for a in gate["args"]), gate["args"]  # every flag is a setting
