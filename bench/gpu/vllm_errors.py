@@ -14,6 +14,9 @@ import sys
 
 import httpx
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+from proxy.bench.report import git_state  # noqa: E402
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
-    out = {"command": " ".join(sys.argv), "machine": platform.node(), "cases": []}
+    out = {"command": " ".join(sys.argv), "machine": platform.node(), **git_state(), "cases": []}
     with httpx.Client(base_url=args.base_url, timeout=60) as c:
         out["server_version"] = c.get("/version").json().get("version")
         for name, path, body in cases(args.model):
