@@ -12,21 +12,19 @@ import array
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
-
-import logging
 
 import httpx
 
 from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
-from .labels import ErrorKind, OutcomeKind
 from .estimate import Estimate, shape_of
+from .labels import ErrorKind, OutcomeKind
 from .prefix_memory import prefix_hashes
-from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices, tokenize_payload
 from .relay import (
     DONE_EVENT,
     Exchange,
@@ -37,14 +35,15 @@ from .relay import (
     relay_raw,
     send_body,
 )
+from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices, tokenize_payload
 from .upstream import UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .state import AppState
     from .gate import Lease
     from .predict import Predictor
+    from .state import AppState
 
 log = logging.getLogger("prefill_gate")
 

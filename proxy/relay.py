@@ -23,13 +23,13 @@ import httpx
 from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
-from .labels import ErrorKind, OutcomeKind
 from .errors import (
     ProxyError,
     ShuttingDown,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from .labels import ErrorKind, OutcomeKind
 from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
