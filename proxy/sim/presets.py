@@ -29,13 +29,15 @@ def _add(p: Preset) -> None:
 # H200, vLLM 0.26.0, Qwen3-8B shape with dummy weights, bf16, FA3, CUDA graphs, prefix
 # caching on; fitted to the step times seen in bench/results/h200/ (B's gaps while A
 # prefills): B alone decodes at 4.68 ms/token (p99 5.4); with 2048-token chunks A's 14
-# steps rise linearly from ~48 to ~110 ms as its context grows (per token 13.5 us,
+# steps rise linearly from ~48 to ~110 ms as its context grows (per token ~13 us: 1.3e-5,
 # attention 1.4e-9 s per token and context position); the 8192-token chunks took
 # ~165, 270, 350 and 205 ms; B keeps decoding for ~24 ms after A is sent (the front
 # end's work on 28.6k characters), then A's arrival stalls the engine ~50 ms. Known gap: small mixed steps (--long-prefill-token-
 # threshold 512) cost 25-55 ms on the GPU against ~23 ms here (docs/RESULTS.md). A prompt sent as
 # token ids (a slice) stalls B ~9 ms at 28k ids (issue 18's hand measurement on the H200: 3.1e-7 s
-# per id); its front end, with no tokenizer, is taken as ~3 ms at 28k ids (1e-7 s per id).
+# per id); its front end, with no tokenizer, is taken as ~3 ms at 28k ids (1e-7 s per id). Both
+# are hand numbers, not fitted: section 11 of docs/RESULTS.md measured a slice's fixed cost on the
+# H200 as ~12 ms + 0.9 us per prompt token, and sliced prompts run faster here than there.
 _add(Preset(
     name="h200-qwen3-8b",
     cost=CostModel(base=4.65e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
