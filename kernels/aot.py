@@ -109,6 +109,16 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     return reports
 
 
+def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:
+    """Every kernel, split and not, for each target (dtype: fp16 on sm_70, bf16 elsewhere)."""
+    rows = []
+    for arch in arches:
+        dt = dtype or ("fp16" if arch < 80 else "bf16")
+        for split in (True, False):
+            rows += [asdict(r) for r in compile_report(arch, dt, head_dim, split=split)]
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, nargs="+", default=[70, 80, 90])
@@ -116,11 +126,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--json")
     args = p.parse_args()
-    rows = []
-    for arch in args.arch:
-        dtype = args.dtype or ("fp16" if arch < 80 else "bf16")
-        for split in (True, False):
-            rows += [asdict(r) for r in compile_report(arch, dtype, args.head_dim, split=split)]
+    rows = all_reports(args.arch, args.dtype, args.head_dim)
     for r in rows:
         print(f"sm_{r['arch']} {r['dtype']} d={r['head_dim']} {r['kernel']:<16} split={r['split']!s:<5} "
               f"regs={r['registers']:<4} spill st/ld={r['spill_stores_bytes']}/{r['spill_loads_bytes']} B "
