@@ -158,6 +158,9 @@ def priority_of(body: dict, header: str | None) -> int:
 CREDIT_SLACK_TOKENS = 256
 # A /tokenize answer lists ids: at most this many bytes per byte of the request's body limit.
 TOKEN_IDS_LIMIT_FACTOR = 4
+# How long a request waits, on arrival, for its exact count (slicing auto) before it goes on
+# with the estimate: as the estimator's own exact counts.
+EXACT_COUNT_TIMEOUT_S = 5.0
 # After a slice's answer, how long to wait for a protected stream's next chunk (the one
 # that shows the slice's gap): a few decode steps.
 WINDOW_END_WAIT_S = 0.05
@@ -231,7 +234,7 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
         # (slicing needs the ids anyway), so that a tokenizer far from the calibrated
         # bytes-per-token cannot make it misjudge (an estimate of 7,153 for a 28,600-token
         # prompt chose slicing on the H200); the count calibrates later estimates too.
-        token_ids = await fetch_token_ids(state, slice_payload, state.pick_upstream())
+        token_ids = await fetch_token_ids(state, slice_payload, state.pick_upstream(), timeout=EXACT_COUNT_TIMEOUT_S)
         if token_ids is not None and estimate.method != "token_ids":
             state.estimator.observe(model, estimate, len(token_ids))
             cached = min(estimate.cached, len(token_ids))
@@ -258,15 +261,18 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
                         max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt, token_ids)
 
 
-async def fetch_token_ids(state: "AppState", payload: dict, upstream: str) -> Sequence[int] | None:
+async def fetch_token_ids(state: "AppState", payload: dict, upstream: str,
+                          timeout: float | None = None) -> Sequence[int] | None:
     """The prompt's exact token ids from the upstream's ``/tokenize`` (``payload`` from
-    ``slicer.tokenize_payload``), as a compact array; None when it cannot say."""
+    ``slicer.tokenize_payload``), as a compact array; None when it cannot say (in
+    ``timeout`` seconds, default ``read_timeout``)."""
     if "ids" in payload:
         return payload["ids"]
     try:
         status, body = await state.client.request_bytes(
             upstream, "POST", "/tokenize", json.dumps(payload).encode(),
-            limit=TOKEN_IDS_LIMIT_FACTOR * state.settings.max_body_bytes, timeout=state.settings.read_timeout)
+            limit=TOKEN_IDS_LIMIT_FACTOR * state.settings.max_body_bytes,
+            timeout=state.settings.read_timeout if timeout is None else timeout)
         if status != 200:
             raise ValueError(f"status {status}: {body[:200]!r}")
         answer = json.loads(body) if len(body) < 1 << 18 else await asyncio.to_thread(json.loads, body)

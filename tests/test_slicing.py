@@ -470,3 +470,22 @@ async def test_auto_counts_a_long_prompt_exactly_before_choosing_and_reuses_the_
     assert seen[0] == seen[-1] == exact  # not the 4-bytes-per-token estimate (~1,500)
     assert len(tokenized) == 2  # once per prompt: the slicer reused the ids it was counted with
     assert state.estimator.calibrator.ratio("sim") < 1.5  # learned, from the counts and usage: a byte a token
+
+
+async def test_a_slow_tokenize_costs_an_arriving_prompt_a_bounded_wait(fake, monkeypatch):
+    """slicing auto counts a long prompt on arrival; an upstream slow to /tokenize must not
+    hold the request for the whole read_timeout (it goes on with the estimate)."""
+    import proxy.exchange as exchange
+
+    monkeypatch.setattr(exchange, "EXACT_COUNT_TIMEOUT_S", 0.2)
+    answer = fake.__call__
+
+    async def slow(request):
+        if request.url.path == "/tokenize":
+            await asyncio.sleep(30)
+        return await answer(request)
+
+    async with proxy_client(slow, slicing="auto", large_prefill_tokens=1000) as (c, state):
+        t = asyncio.get_running_loop().time()
+        r = await c.post(CHAT, json=chat("x" * 40_000, stream=False))
+        assert r.status_code == 200 and asyncio.get_running_loop().time() - t < 2.0
