@@ -11,7 +11,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from proxy.bench.report import environment, table  # noqa: E402
+from proxy.bench.report import environment, git_state, table  # noqa: E402
 
 KEYS = ("completed", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
         "p99.9_itl_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -22,6 +22,11 @@ def main(argv=None) -> int:
     ap.add_argument("res", type=pathlib.Path)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    stamp = git_state()  # vllm bench serve records no commit: the files say which code they measured
+    for path in args.res.glob("*.json"):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "git_commit" not in data:
+            path.write_text(json.dumps({**stamp, **data}))
     rows = []
     for label in ("direct", "hold", "auto"):
         row = {"target": label}
