@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from .capabilities import MAX_METRICS_BYTES
+from .routing import metrics_page
 from .upstream import UpstreamClient, UpstreamError
 
 # vllm:num_requests_waiting{labels} value: one sample line (labels hold no newline).
@@ -39,8 +39,7 @@ def add_held(page: bytes, held: int) -> bytes:
 async def upstream_page(client: UpstreamClient, upstream: str) -> bytes | None:
     """The upstream's ``/metrics`` (bounded), or None when it does not answer 200."""
     try:
-        status, page = await client.request_bytes(upstream, "GET", "/metrics", limit=MAX_METRICS_BYTES,
-                                                  timeout=2.0)
+        status, page = await metrics_page(client, upstream)
     except UpstreamError:
         return None
     return page if status == 200 else None

@@ -76,10 +76,16 @@ class Routing:
                 self.set_capabilities(u, c)
 
 
+async def metrics_page(client: UpstreamClient, upstream: str) -> tuple[int, bytes]:
+    """The upstream's ``/metrics`` (status, body), bounded in size and time; raises
+    ``UpstreamError`` when it cannot be asked."""
+    return await client.request_bytes(upstream, "GET", "/metrics", limit=MAX_METRICS_BYTES, timeout=2.0)
+
+
 async def probe_capabilities(client: UpstreamClient, upstream: str) -> Capabilities:
     """Block size and prefix caching from vLLM's /metrics, and whether /tokenize answers."""
     try:
-        status, page = await client.request_bytes(upstream, "GET", "/metrics", limit=MAX_METRICS_BYTES, timeout=2.0)
+        status, page = await metrics_page(client, upstream)
         block, caching = parse_cache_config(page) if status == 200 else (None, False)
         status, body = await client.request_bytes(upstream, "POST", "/tokenize", b'{"prompt":"a"}',
                                                   limit=64 * 1024, timeout=2.0)
