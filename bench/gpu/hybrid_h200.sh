@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The starvation report's model class on one H200 (issue 25): a 27B dense hybrid (Gated
+# DeltaNet + attention, `bench/gpu/hybrid_model.py`) with prefix caching in align mode, and
+# the runs vLLM's maintainers asked for, as the seed pair (B streaming, A 28,600 tokens).
+# Two servers share the GPU per phase (a 27B server starts in minutes; a device call is 10).
+#
+#   PHASE=a  :8001 --max-num-batched-tokens 2048 (the report's budget; align block 1568)
+#            :8002 --max-num-batched-tokens 1568 (the align floor)
+#            rows: each direct; through prefill-gate holding (defaults) and slicing (on) -> :8001
+#   PHASE=b  :8001 --max-num-batched-tokens 8192 + the paced scheduler (control file: off, cap
+#                  1568, adaptive), prefix caching on
+#            :8002 --max-num-batched-tokens 2048 --no-enable-prefix-caching (align mode off)
+#            rows: :8001 with pacing off (stock 8192), cap and adaptive; :8002 direct;
+# Every server: fp8 KV cache (the report's align block of 1568 tokens on one GPU: see
+# hybrid_model.py), --language-model-only, --enable-prompt-tokens-details.
+#
+#   source .gpu/device_setup.sh setup && MODEL=.gpu/model-hybrid-27b PHASE=a bash bench/gpu/hybrid_h200.sh "$OUT"
+# Here (simulators, no GPU): DRY_RUN=1 PHASE=a bash bench/gpu/hybrid_h200.sh out/hybrid-dry
+set -u
+OUT=${1:-out/hybrid}
+MODEL=${MODEL:-.gpu/model-hybrid-27b}
+PHASE=${PHASE:-a}
+UTIL=${UTIL:-0.45}
+KV_BYTES=${KV_BYTES:-10737418240}  # 10 GiB each: two 27B servers on one H200
+RUNS=${RUNS:-1}
+TIME_SCALE=${TIME_SCALE:-1}
+WAIT=30
+RES=$OUT/$PHASE
+mkdir -p "$RES"
+source bench/gpu/lib.sh
+COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details)
+NOCACHE=--no-enable-prefix-caching
+if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset rtx3090-27b-hybrid); NOCACHE=--no-prefix-caching; fi
+
+proxy_up() {  # port upstream-port args...
+  local port=$1 upstream=$2; shift 2
+  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" --log-level info \
+    --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
+  PIDS+=($!)
+  wait_health "$port" 60 "$!"
+}
+proxy_down() { curl -s "http://127.0.0.1:$1/metrics" > "$RES/proxy-metrics-$1.txt"
+               pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1; }
+pacing() {  # the paced server's settings, through its control file
+  printf '%s\n' "$@" > "$RES/control.env.tmp" && mv "$RES/control.env.tmp" "$RES/control.env"; sleep 1
+}
+servers_up() {
+  for port in 8001 8002; do
+    wait_health $port 480 "${PID_OF[s$port]}" || {
+      say "server :$port did not come up"; tail -40 "$RES/server-s$port.log"; return 1; }
+  done
+  say "servers healthy"
+  grep -h "block size\|align\|Mamba cache\|Padding mamba" "$RES"/server-*.log | sort -u | head -20 > "$RES/blocks.txt"
+  cat "$RES/blocks.txt"
+}
+
+trap cleanup EXIT
+gpu_info
+case $PHASE in
+  a)
+    start_server s8001 8001 "${COMMON[@]}" --max-num-batched-tokens 2048
+    sleep 15
+    start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 1568
+    servers_up || exit 1
+    bench direct-2048 http://127.0.0.1:8001
+    bench direct-1568 http://127.0.0.1:8002
+    proxy_up 8090 8001 && bench hold-2048 http://127.0.0.1:8090; proxy_down 8090
+    proxy_up 8091 8001 --slicing on && bench slice-2048 http://127.0.0.1:8091; proxy_down 8091 ;;
+  b)
+    pacing PREFILL_GATE_PACING=off
+    PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=5 \
+      start_server s8001 8001 "${COMMON[@]}" --max-num-batched-tokens 8192 \
+      --scheduler-cls engine_patches.pacing.PacedAsyncScheduler
+    sleep 15
+    start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 2048 $NOCACHE
+    servers_up || exit 1
+    bench direct-8192 http://127.0.0.1:8001
+    bench direct-2048-nocache http://127.0.0.1:8002
+    pacing PREFILL_GATE_PACING=cap PREFILL_GATE_PACING_CAP_TOKENS=1568
+    bench paced-cap-1568 http://127.0.0.1:8001
+    pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=60 PREFILL_GATE_PACING_CAP_TOKENS=1568
+    bench paced-adaptive-60 http://127.0.0.1:8001
+    grep -h "prefill-gate pacing" "$RES/server-s8001.log" | tail -20 > "$RES/pacing-decisions.log" ;;
+  *) say "PHASE must be a or b"; exit 2 ;;
+esac
+for s in s8001 s8002; do tail -c 300000 "$RES/server-$s.log" > "$RES/server-$s-tail.log" 2>/dev/null; done
+: # the tables are in $RES/bench.log
+(cd "$OUT" && tar czf "hybrid-$PHASE.tar.gz" --exclude='server-s800?.log' "$PHASE")
+say "done"
