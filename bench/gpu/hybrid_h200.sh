@@ -12,7 +12,9 @@
 #            :8002 --max-num-batched-tokens 2048 --no-enable-prefix-caching (align mode off)
 #            rows: :8001 with pacing off (stock 8192), cap and adaptive; :8002 direct;
 # Every server: fp8 KV cache (the report's align block of 1568 tokens on one GPU: see
-# hybrid_model.py), --language-model-only, --enable-prompt-tokens-details.
+# hybrid_model.py), --language-model-only, --enable-prompt-tokens-details, --max-num-seqs 64
+# (its 1,024 default exceeds the recurrent-state blocks of a 10 GiB cache: vLLM refuses), and
+# --enable-prefix-caching where named (a hybrid model's default is off).
 #
 #   source .gpu/device_setup.sh setup && MODEL=.gpu/model-hybrid-27b PHASE=a bash bench/gpu/hybrid_h200.sh "$OUT"
 # Here (simulators, no GPU): DRY_RUN=1 PHASE=a bash bench/gpu/hybrid_h200.sh out/hybrid-dry
@@ -28,9 +30,9 @@ WAIT=30
 RES=$OUT/$PHASE
 mkdir -p "$RES"
 source bench/gpu/lib.sh
-COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details)
-NOCACHE=--no-enable-prefix-caching
-if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset rtx3090-27b-hybrid); NOCACHE=--no-prefix-caching; fi
+COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64)
+CACHE=--enable-prefix-caching NOCACHE=--no-enable-prefix-caching  # a hybrid model's default is off
+if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset rtx3090-27b-hybrid); CACHE=; NOCACHE=--no-prefix-caching; fi
 
 proxy_up() {  # port upstream-port args...
   local port=$1 upstream=$2; shift 2
@@ -58,9 +60,9 @@ trap cleanup EXIT
 gpu_info
 case $PHASE in
   a)
-    start_server s8001 8001 "${COMMON[@]}" --max-num-batched-tokens 2048
+    start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048
     sleep 15
-    start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 1568
+    start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens 1568
     servers_up || exit 1
     bench direct-2048 http://127.0.0.1:8001
     bench direct-1568 http://127.0.0.1:8002
@@ -69,7 +71,7 @@ case $PHASE in
   b)
     pacing PREFILL_GATE_PACING=off
     PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=5 \
-      start_server s8001 8001 "${COMMON[@]}" --max-num-batched-tokens 8192 \
+      start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 8192 \
       --scheduler-cls engine_patches.pacing.PacedAsyncScheduler
     sleep 15
     start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 2048 $NOCACHE
