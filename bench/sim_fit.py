@@ -3,6 +3,9 @@ held out of the fit.
 
     python3 bench/sim_fit.py --fit bench/results/h200/run1 --check bench/results/h200 \\
         --json bench/results/sim/fit-h200.json
+    python3 bench/sim_fit.py --fit D --check D --preset h200-27b-hybrid --step-ms 40 \\
+        --chunks direct-2048=1568,direct-2048-nocache=2047 \\
+        --check-chunks paced-cap-1568=1568,paced-adaptive-60=1568 --json F   (D: the hybrid run)
 
 Data: the seed pair direct on vLLM 0.26.0 (`bench overlap` JSON, every token's time). While
 A (28,600 tokens) prefills, B decodes one token per engine step, so B's gaps are the step
@@ -33,17 +36,23 @@ CHUNKS = {"direct-2048": 2048, "direct-8192": 8192}
 STEP_MS = 15.0  # a gap over this while A prefills is a chunk step (B decodes in ~4.7 ms)
 
 
-def steps(run_dir: pathlib.Path) -> tuple[list[tuple[int, int, float]], list[float], list[float]]:
+def chunk_map(text: str) -> dict[str, int]:
+    """``name=tokens,...``: the bench files to read and the chunk each one's steps carry."""
+    return {name: int(tokens) for name, tokens in (item.split("=") for item in text.split(","))}
+
+
+def steps(run_dir: pathlib.Path, chunks: dict[str, int] = CHUNKS, step_ms: float = STEP_MS,
+          ) -> tuple[list[tuple[int, int, float]], list[float], list[float]]:
     """(chunk tokens, cached tokens before it, seconds) of every chunk step; the first gaps
     (arrival); B's solo gaps."""
     rows, firsts, solo = [], [], []
-    for config, chunk in CHUNKS.items():
+    for config, chunk in chunks.items():
         data = json.loads((run_dir / f"{config}.json").read_text())
         for run in data["raw"]:
             b, a = run["b"]["tokens"], run["a"]
             total = run["a_prompt_tokens"]
             big = [t1 - t0 for t0, t1 in zip(b, b[1:]) if a["sent"] < t1 and t0 < a["tokens"][0]
-                   and (t1 - t0) * 1e3 > STEP_MS]
+                   and (t1 - t0) * 1e3 > step_ms]
             firsts.append(big[0])
             for i, seconds in enumerate(big[1:]):
                 start = i * chunk
@@ -63,17 +72,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", type=pathlib.Path, required=True)
     ap.add_argument("--check", type=pathlib.Path, required=True)
+    ap.add_argument("--chunks", type=chunk_map, default=CHUNKS, help="fit files: name=chunk tokens,...")
+    ap.add_argument("--check-chunks", type=chunk_map, default=None, help="held-out files (default: --chunks)")
+    ap.add_argument("--step-ms", type=float, default=STEP_MS, help="a gap over this while A prefills is a chunk step")
+    ap.add_argument("--preset", default="h200-qwen3-8b", help="the preset to compare; none: no comparison")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows, firsts, solo = steps(args.fit)
+    rows, firsts, solo = steps(args.fit, args.chunks, args.step_ms)
     x, y = design(rows)
     (c, per_token, attention), *_ = np.linalg.lstsq(x, y, rcond=None)
     base = statistics.median(solo)
     fitted = {"base": base, "mixed": c - base, "per_prefill_token": per_token, "attention": attention,
               "arrival_stall_s": statistics.median(firsts) - base}
-    preset = get_preset("h200-qwen3-8b").cost
-    current = {"base": preset.base, "mixed": preset.mixed, "per_prefill_token": preset.per_prefill_token,
-               "attention": preset.attention, "arrival_stall_s": preset.arrival_per_token * 28600}
+    current = None
+    if args.preset != "none":
+        preset = get_preset(args.preset).cost
+        current = {"base": preset.base, "mixed": preset.mixed, "per_prefill_token": preset.per_prefill_token,
+                   "attention": preset.attention, "arrival_stall_s": preset.arrival_per_token * 28600}
 
     def errors(model, data):
         xx, yy = design(data)
@@ -81,19 +96,23 @@ def main(argv=None) -> int:
         rel = np.abs(pred - yy) / yy
         return {"steps": len(data), "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max())}
 
-    held, _, _ = steps(args.check)
+    check_chunks = args.check_chunks or args.chunks
+    held, _, _ = steps(args.check, check_chunks, args.step_ms)
+    models = {"fitted": fitted} | ({"preset": current} if current else {})
     result = {
-        "fit_data": str(args.fit), "check_data": str(args.check), "fitted": fitted, "preset": current,
-        "fit_errors": {"fitted": errors(fitted, rows), "preset": errors(current, rows)},
-        "held_out_errors": {"fitted": errors(fitted, held), "preset": errors(current, held)},
+        "fit_data": str(args.fit), "check_data": str(args.check), "fit_files": args.chunks,
+        "check_files": check_chunks, "step_ms": args.step_ms, "preset_name": args.preset,
+        "fitted": fitted, "preset": current,
+        "fit_errors": {k: errors(m, rows) for k, m in models.items()},
+        "held_out_errors": {k: errors(m, held) for k, m in models.items()},
         **environment(),
     }
     print(f"{len(rows)} chunk steps fitted ({args.fit}); {len(held)} held out ({args.check})")
     print(f"{'':22s} {'fitted':>12s} {'preset':>12s}")
     for k in fitted:
-        print(f"{k:22s} {fitted[k]:12.4g} {current[k]:12.4g}")
+        print(f"{k:22s} {fitted[k]:12.4g} {current[k] if current else float('nan'):12.4g}")
     for name in ("fit_errors", "held_out_errors"):
-        for which in ("fitted", "preset"):
+        for which in models:
             e = result[name][which]
             print(f"{name:16s} {which:7s} median {100 * e['median_rel_error']:5.1f}%  max {100 * e['max_rel_error']:5.1f}%"
                   f"  over {e['steps']} steps")

@@ -199,3 +199,23 @@ def test_paced_engine_serves_short_prompts_first(short_tokens, within):
         if short.finished:
             break
     assert n <= within if short_tokens else n >= within
+
+
+def test_align_mode_chunks_whole_blocks_and_waits_when_none_fits():
+    # vLLM's hybrid align mode: a chunk that does not end its prompt is whole blocks, so a
+    # budget of 10 with blocks of 4 prefills 8 a step; with a decode in the step, 9 tokens
+    # are left and still 8 go; a budget that holds no whole block next to the decode waits.
+    e = engine(max_num_batched_tokens=10, block_size=4, align_chunks=True)
+    e.add(req(2, out=50))
+    steps(e, 1)
+    e.add(req(21, out=1, base=500))
+    assert steps(e, 3) == [(1, [8]), (1, [8]), (1, [5])]  # the last chunk ends the prompt: any size
+    tight = engine(max_num_batched_tokens=4, block_size=4, align_chunks=True)
+    tight.add(req(2, out=50))
+    steps(tight, 1)
+    long = tight.add(req(9, out=1, base=500))
+    assert steps(tight, 2) == [(1, []), (1, [])]  # 3 tokens left beside the decode: no block fits
+    assert long in tight.waiting
+    off = engine(max_num_batched_tokens=10, block_size=4, align_chunks=True, enable_prefix_caching=False)
+    off.add(req(21, out=1))
+    assert steps(off, 1) == [(0, [10])]  # no prefix caching: no align mode

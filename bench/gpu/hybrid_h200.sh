@@ -36,7 +36,7 @@ source bench/gpu/lib.sh
 COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
         --additional-config '{"gdn_prefill_backend": "triton"}')  # FlashInfer's GDN kernel is not staged
 CACHE=--enable-prefix-caching NOCACHE=--no-enable-prefix-caching  # a hybrid model's default is off
-if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset rtx3090-27b-hybrid); CACHE=; NOCACHE=--no-prefix-caching; fi
+if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset "${SIM_PRESET:-h200-27b-hybrid}"); CACHE=; NOCACHE=--no-prefix-caching; fi
 
 proxy_up() {  # port upstream-port args...
   local port=$1 upstream=$2; shift 2

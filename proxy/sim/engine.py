@@ -74,6 +74,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int = 1 << 16
+    # Hybrid models in prefix caching's align mode: a chunk that does not finish its prompt
+    # is whole blocks (vLLM's _mamba_block_aligned_split); none fits: the prompt waits a step.
+    align_chunks: bool = False
 
 
 @dataclass(eq=False)
@@ -198,9 +201,13 @@ class Engine:
 
     # -------------------------------------------------------------- scheduling
     def _cap(self, remaining: int, budget: int) -> int:
+        cfg = self.config
         n = min(remaining, budget)
-        lpt = self.config.long_prefill_token_threshold
-        return min(n, lpt) if lpt > 0 else n
+        if cfg.long_prefill_token_threshold > 0:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if cfg.align_chunks and cfg.enable_prefix_caching and n < remaining:
+            n -= n % cfg.block_size
+        return n
 
     def plan(self) -> StepPlan:
         """Choose this step's work; mutates only the waiting/running lists (admission)."""
@@ -220,19 +227,22 @@ class Engine:
                 prefilling, long_ids, long_budget = self._short_first(prefilling, budget)
         for req in prefilling:  # then running prompts (long ones clamped, as engine_patches)
             room = min(budget, long_budget) if req.id in long_ids else budget
-            if room > 0:
-                n = self._cap(req.prompt_len - req.num_computed, room)
+            n = self._cap(req.prompt_len - req.num_computed, room) if room > 0 else 0
+            if n > 0:
                 plan.chunks.append((req, n))
                 budget -= n
                 if req.id in long_ids:
                     long_budget -= n
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.pop(0)
+            req = self.waiting[0]
             if self.config.enable_prefix_caching:
                 hit = self.cache.hit_blocks(req.block_hashes) * self.config.block_size
                 req.num_cached = req.num_computed = min(hit, req.prompt_len - 1)
-            self.running.append(req)
             n = self._cap(req.prompt_len - req.num_computed, budget)
+            if n == 0:
+                break  # align mode: not one whole block fits this step
+            self.waiting.pop(0)
+            self.running.append(req)
             plan.chunks.append((req, n))
             budget -= n
         return plan

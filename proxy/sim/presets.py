@@ -57,8 +57,21 @@ _add(Preset(
     name="rtx3090-27b-hybrid",
     cost=CostModel(base=20.8e-3, per_decode_row=2.0e-4, per_prefill_token=4.0e-4, attention=9.9e-9,
                    jitter=0.02),
-    engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=1568),
+    engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=1568, align_chunks=True),
     source="2x RTX 3090 TP=2, 27B hybrid (the report in shared/ARCHITECTURE.md)",
+))
+
+# The report's model class on one H200: a 27B dense hybrid (Gated DeltaNet + attention,
+# bench/gpu/hybrid_model.py) with an fp8 KV cache, prefix caching in align mode (blocks of
+# 1568 tokens), --max-num-batched-tokens 2048 as in the report. Fitted by bench/sim_fit.py
+# from the seed pair direct with and without prefix caching (1568- and 2047-token chunks) and
+# checked on the paced runs held out of the fit: bench/results/sim/fit-h200-hybrid.json.
+_add(Preset(
+    name="h200-27b-hybrid",
+    cost=CostModel(base=14.1e-3, mixed=60.4e-3, per_prefill_token=5.08e-5, attention=4.3e-10,
+                   jitter=0.02, arrival_per_token=4.7e-6),
+    engine=EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64, block_size=1568, align_chunks=True),
+    source="H200 vLLM 0.26.0, 27B dense hybrid dummy weights; bench/results/hybrid/h200/run-4031669/",
 ))
 
 DEFAULT_PRESET = "h200-qwen3-8b"
