@@ -2,7 +2,7 @@
 # The starvation report's model class on one H200 (issue 25): a 27B dense hybrid (Gated
 # DeltaNet + attention, `bench/gpu/hybrid_model.py`) with prefix caching in align mode, and
 # the runs vLLM's maintainers asked for, as the seed pair (B streaming, A 28,600 tokens).
-# Two servers share the GPU per phase (a 27B server starts in minutes; a device call is 10).
+# Two servers share the GPU per phase (a 27B server starts in ~2 minutes; a device call is 10).
 #
 #   PHASE=a  :8001 --max-num-batched-tokens 2048 (the report's budget; align block 1568)
 #            :8002 --max-num-batched-tokens 1568 (the align floor)
@@ -10,10 +10,6 @@
 #   PHASE=c  (one call) :8001 2048 + prefix caching + the paced scheduler; :8002 2048, no
 #            prefix caching; rows: both direct, then on :8001 holding, slicing, pacing cap 1568
 #            and adaptive 60 ms
-#   PHASE=b  :8001 --max-num-batched-tokens 8192 + the paced scheduler (control file: off, cap
-#                  1568, adaptive), prefix caching on
-#            :8002 --max-num-batched-tokens 2048 --no-enable-prefix-caching (align mode off)
-#            rows: :8001 with pacing off (stock 8192), cap and adaptive; :8002 direct;
 # Every server: fp8 KV cache (the report's align block of 1568 tokens on one GPU: see
 # hybrid_model.py), --language-model-only, --enable-prompt-tokens-details, --max-num-seqs 64
 # (its 1,024 default exceeds the recurrent-state blocks of a 10 GiB cache: vLLM refuses), and
@@ -72,21 +68,6 @@ case $PHASE in
     bench direct-1568 http://127.0.0.1:8002
     proxy_up 8090 8001 && bench hold-2048 http://127.0.0.1:8090; proxy_down 8090
     proxy_up 8091 8001 --slicing on && bench slice-2048 http://127.0.0.1:8091; proxy_down 8091 ;;
-  b)
-    pacing PREFILL_GATE_PACING=off
-    PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=5 \
-      start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 8192 \
-      --scheduler-cls engine_patches.pacing.PacedAsyncScheduler
-    sleep 15
-    start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 2048 $NOCACHE
-    servers_up || exit 1
-    bench direct-8192 http://127.0.0.1:8001
-    bench direct-2048-nocache http://127.0.0.1:8002
-    pacing PREFILL_GATE_PACING=cap PREFILL_GATE_PACING_CAP_TOKENS=1568
-    bench paced-cap-1568 http://127.0.0.1:8001
-    pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=60 PREFILL_GATE_PACING_CAP_TOKENS=1568
-    bench paced-adaptive-60 http://127.0.0.1:8001
-    grep -h "prefill-gate pacing" "$RES/server-s8001.log" | tail -20 > "$RES/pacing-decisions.log" ;;
   c)  # one device call: the report's budget with and without prefix caching, and everything
       # of ours on the first (pacing off there is stock vLLM at 2048)
     pacing PREFILL_GATE_PACING=off
@@ -105,7 +86,7 @@ case $PHASE in
     pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=60 PREFILL_GATE_PACING_CAP_TOKENS=1568
     bench paced-adaptive-60 http://127.0.0.1:8001
     grep -h "prefill-gate pacing" "$RES/server-s8001.log" | tail -20 > "$RES/pacing-decisions.log" ;;
-  *) say "PHASE must be a, b or c"; exit 2 ;;
+  *) say "PHASE must be a or c"; exit 2 ;;
 esac
 for s in s8001 s8002; do tail -c 300000 "$RES/server-$s.log" > "$RES/server-$s-tail.log" 2>/dev/null; done
 : # the tables are in $RES/bench.log
