@@ -33,6 +33,10 @@ class DisconnectWatch:
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         self._watcher.cancel()
+        # The cancelled watcher will hold its CancelledError, whose traceback holds _watch's
+        # frame and so this object: without this line, a reference cycle per request that
+        # only the cycle collector frees (long full collections with many streams).
+        self._watcher = None
         if exc_type is asyncio.CancelledError and self.gone:
             task = asyncio.current_task()
             if hasattr(task, "uncancel"):  # Python 3.11+; on 3.10 a caught cancel is spent

@@ -24,6 +24,7 @@ from .errors import (
 from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
+_CLOSED_STREAM = httpx.ByteStream(b"")
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
                  "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
 _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "trailer", "upgrade",
@@ -143,6 +144,9 @@ class UpstreamClient:
             yield resp
         finally:
             await resp.aclose()
+            # httpx's response and its bound stream refer to each other: a cycle per request
+            # for the cycle collector. Nothing reads the stream after aclose.
+            resp.stream = _CLOSED_STREAM
 
     async def request_bytes(self, upstream: str, method: str, path: str, content: bytes = b"", *,
                             limit: int, timeout: float) -> tuple[int, bytes]:

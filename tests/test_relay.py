@@ -105,3 +105,41 @@ def test_each_error_names_its_outcome_and_labels_print_as_their_values():
                for e in (UpstreamUnavailable, UpstreamProtocolError, UpstreamTimeout))
     assert (UpstreamUnavailable.kind, UpstreamTimeout.kind) == (ErrorKind.CONNECT, ErrorKind.TIMEOUT)
     assert str(OutcomeKind.CLIENT_DISCONNECT) == "client_disconnect" and ErrorKind.of_status(503) == "http_5xx"
+
+
+async def test_finished_streams_leave_no_reference_cycles(fake):
+    """Each request's objects go when it ends (reference counting), not at the next full
+    collection: with hundreds of streams, those collections stall every stream."""
+    import asyncio
+    import gc
+
+    import httpx
+
+    from conftest import CHAT, UPSTREAM, chat, make_state, serve
+    from proxy.app import create_app
+    from proxy.disconnect import DisconnectWatch
+    from proxy.exchange import GatedExchange
+    from proxy.relay import StreamObserver
+
+    app = create_app(make_state(httpx.MockTransport(fake)), health_checks=False)
+    def proxys(o) -> bool:  # the test's own client makes httpx responses too
+        if isinstance(o, httpx.Response):
+            return str(o.request.url).startswith(UPSTREAM)
+        return isinstance(o, (GatedExchange, DisconnectWatch, StreamObserver))
+
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as c:
+        await c.post(CHAT, json=chat(stream=True))  # warm: first-use caches
+        await asyncio.sleep(0.05)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                r = await c.post(CHAT, json=chat(stream=True))
+                assert r.status_code == 200 and b"[DONE]" in r.content
+            await asyncio.sleep(0.05)  # the disconnect watchers finish being cancelled
+            gc.collect()
+            cyclic = sorted({type(o).__name__ for o in gc.garbage if proxys(o)})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert cyclic == []

@@ -195,6 +195,7 @@ def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = F
     wall = max(r[2] for r in results)
     return {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
             "chunk_ms_p50": percentile(delays, 50) * 1e3, "chunk_ms_p99": percentile(delays, 99) * 1e3,
+            "chunk_ms_p999": percentile(delays, 99.9) * 1e3, "chunk_ms_max": max(delays) * 1e3,
             "chunks": len(delays), "chunks_per_s": len(delays) / wall,
             "peak_chunks_per_s": peak_rate([a for r in results for a in r[3]])}
 

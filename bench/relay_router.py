@@ -1,0 +1,135 @@
+"""prefill-gate's relay against vllm-router (the Rust router for vLLM), side by side (issue 27).
+
+    python3 bench/relay_router.py --router /tmp/vr/bin/vllm-router --json F \\
+        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2]
+
+One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
+write time), and three targets: the upstream direct, prefill-gate (defaults) and vllm-router
+(`--policy round_robin`, the one worker). Level `NxMS`: N concurrent streams, one chunk every
+MS ms each (so 512x80 is the same 6,400 chunks/s as 32x5). Every level runs the targets in
+turn, `--rounds` times (direct, gate, router, direct, gate, router...), so drift falls on all
+three alike. With two or more CPUs the relays get the last CPU to themselves and the load
+generator and upstream the others (the issue's rig: one core each side).
+
+Per target and level: TTFT p50/p99; the per-chunk delay (arrival minus the upstream's stamp)
+p50/p99/p99.9/max; the relay's CPU seconds per relayed chunk (its process's utime + stime,
+all threads, from /proc, over the level). Direct has no relay: its delay is the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from proxy.bench.overhead import measure  # noqa: E402
+from proxy.bench.report import environment, table, write_json  # noqa: E402
+from proxy.bench.services import Service, free_port  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class Router:
+    """vllm-router in front of one worker, on its own port."""
+
+    def __init__(self, binary: str, worker: str, cpus: set[int] | None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls",
+                                      worker, "--policy", "round_robin", "--log-level", "warning"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        if cpus:
+            os.sched_setaffinity(self.proc.pid, cpus)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited: {pathlib.Path(self.log.name).read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("vllm-router did not answer /health within 60 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def level(text: str) -> tuple[int, float]:
+    streams, ms = text.lower().split("x")
+    return int(streams), float(ms) / 1000
+
+
+COLUMNS = [("level", "level"), ("target", "target"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
+           ("chunk_ms_p50", "delay p50 ms"), ("chunk_ms_p99", "delay p99 ms"), ("chunk_ms_p999", "delay p99.9 ms"),
+           ("chunk_ms_max", "delay max ms"), ("chunks_per_s", "chunks/s"), ("cpu_us_per_chunk", "relay CPU us/chunk")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--router", default=shutil.which("vllm-router"), help="the vllm-router binary")
+    ap.add_argument("--levels", default="1x5,32x5,128x20,512x80")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not args.router or not os.access(args.router, os.X_OK):
+        raise SystemExit("no vllm-router binary (pip install vllm-router==0.1.17 in a venv of its own; --router PATH)")
+    cpus = sorted(os.sched_getaffinity(0))
+    relay_cpus = {cpus[-1]} if len(cpus) > 1 else None
+    if relay_cpus:
+        os.sched_setaffinity(0, set(cpus[:-1]))
+    rows = []
+    with Service("bench-upstream", name="stamp") as up, \
+            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy", cpus=relay_cpus) as gate:
+        router = Router(args.router, up.url, relay_cpus)
+        try:
+            targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
+                       "vllm-router": (router.url, router.proc.pid)}
+            for text in args.levels.split(","):
+                streams, interval = level(text)
+                for rnd in range(args.rounds):
+                    for name, (url, pid) in targets.items():
+                        print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
+                        before = cpu_seconds(pid) if pid else 0.0
+                        row = measure(url, streams, args.tokens, interval)
+                        cpu = cpu_seconds(pid) - before if pid else None
+                        row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval,
+                                   cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
+                        rows.append(row)
+        finally:
+            router.stop()
+    print(table(rows, COLUMNS))
+    if args.json:
+        write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
+                               "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
+                               "router": args.router, "rows": rows, **environment()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
