@@ -19,7 +19,6 @@ all threads, from /proc, over the level). Direct has no relay: its delay is the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shutil
@@ -31,9 +30,9 @@ import time
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from proxy.bench.overhead import measure  # noqa: E402
-from proxy.bench.report import environment, table, write_json  # noqa: E402
-from proxy.bench.services import Service, free_port  # noqa: E402
+from proxy.bench.overhead import measure
+from proxy.bench.report import environment, table, write_json
+from proxy.bench.services import Service, free_port
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -59,6 +59,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.in_use = True  # False while pooled: bytes arriving then are nobody's answer
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the read deadline's check (see wait)
         self._reset()
 
     def _reset(self) -> None:
@@ -77,6 +79,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future | None = None
+        self._deadline = 0.0  # of the current wait (loop time)
 
     # ---------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -108,6 +111,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.head_done and self.until_eof and exc is None:
             self.complete = True
         if not self.complete and self.error is None:
@@ -166,20 +172,40 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.close()
 
     async def wait(self, timeout: float | None) -> None:
-        """Until the parser made progress, the connection ended, or `timeout` passed."""
-        loop = asyncio.get_running_loop()
+        """Until the parser made progress, the connection ended, or `timeout` passed.
+
+        Called once per chunk of a stream: the timeout is a deadline moved forward here and
+        one timer per connection that checks it (re-armed when it fires early), not a timer
+        made and cancelled per chunk."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         self.waiter = fut = loop.create_future()
-        timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
+        if timeout is not None:
+            self._deadline = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._check_deadline)
         try:
             await fut
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        w = self.waiter
+        if w is None or w.done():
+            return  # not waiting: the next wait arms a timer again
+        if self._loop.time() >= self._deadline:
+            w.set_exception(asyncio.TimeoutError())
+        else:  # progress since this timer was armed: check again at the moved deadline
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
 
     def take(self) -> bytes:
         """Every body byte that arrived since the last call, as one object."""
@@ -194,10 +220,6 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self.complete and not self.closed and self.error is None and self.keep_alive
 
-
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(asyncio.TimeoutError())
 
 
 class _ResponseStream(httpx.AsyncByteStream):

@@ -8,9 +8,13 @@ zeros rather than gaps. The registry is passed in: tests build a fresh one.
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .labels import AdmissionLabel, ErrorKind, OutcomeKind
 
@@ -66,8 +70,8 @@ class Metrics:
             registry=r)
         self.ttft = Histogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
                               ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
-        self.itl = Histogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
-                             ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
+        self.itl = ChunkHistogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
+                                  ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
         self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by kind.",
                                        ["upstream", "kind"], registry=r)
         self.estimate_error = Histogram(p + "estimate_relative_error",
@@ -111,3 +115,52 @@ class Metrics:
             self.retries.labels(u)
             for k in ERROR_KINDS:
                 self.upstream_errors.labels(u, k)
+
+
+class ChunkHistogram:
+    """A histogram for the per-chunk path, exported as prometheus_client's would be (the
+    same name, labels, buckets and samples). An observation is a bisect and two additions;
+    prometheus_client's takes a lock and walks the buckets (3.7% of the relay's CPU at 32
+    streams, observed per token). Observed and collected on the event loop's thread."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], *, buckets: Iterable[float],
+                 registry: CollectorRegistry):
+        self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
+        self._bounds = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], _ChunkHistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values) -> "_ChunkHistogramChild":
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: {len(self._labelnames)} label values, got {len(values)}")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = _ChunkHistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, child in self._children.items():
+            total, buckets = 0, []
+            for bound, count in zip(self._bounds + (math.inf,), child.counts):
+                total += count
+                buckets.append((floatToGoString(bound), total))
+            family.add_metric(list(key), buckets, child.sum)
+        return [family]
+
+
+class _ChunkHistogramChild:
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.sum += value

@@ -179,6 +179,30 @@ async def test_read_timeout_between_chunks():
             await drain(c, srv.url + "/x")
 
 
+async def test_the_read_timeout_is_per_gap_not_per_stream():
+    """Chunks every 0.1 s for 0.8 s under a 0.25 s read timeout: no timeout (each chunk
+    moves the deadline), then silence: a timeout about 0.25 s after the last chunk."""
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE)
+        for i in range(8):
+            writer.write(chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)
+
+    loop = asyncio.get_running_loop()
+    async with Server(handler) as srv, client(read=0.25) as c:
+        got, last = 0, None
+        with pytest.raises(httpx.ReadTimeout):
+            async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
+                async for data in resp.aiter_raw():
+                    got += data.count(b"data:")
+                    last = loop.time()
+        assert got == 8
+        assert 0.2 <= loop.time() - last < 0.6
+
+
 async def test_silence_before_the_head_is_a_read_timeout():
     async def handler(reader, writer, srv):
         await read_request(reader)

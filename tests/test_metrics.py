@@ -1,0 +1,38 @@
+"""The per-chunk histogram exports exactly what prometheus_client's Histogram would."""
+
+import random
+
+import pytest
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from proxy.metrics import _LATENCY, ChunkHistogram
+
+
+def test_chunk_histogram_exposition_matches_prometheus_clients_histogram():
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    args = ("prefill_gate_itl_seconds", "Gap between content chunks.", ["class", "large_prefill_in_flight"])
+    reference = Histogram(*args, buckets=_LATENCY, registry=theirs)
+    chunked = ChunkHistogram(*args, buckets=_LATENCY, registry=ours)
+    for cls in ("interactive", "large"):
+        for flag in ("true", "false"):
+            reference.labels(cls, flag)
+            chunked.labels(cls, flag)
+    rng = random.Random(7)
+    values = [rng.expovariate(100.0) for _ in range(3000)] + list(_LATENCY) + [0.0, 99.0, 1e-9]
+    for i, value in enumerate(values):  # bucket edges exactly, zero, and past the last bound
+        labels = ("interactive", "true") if i % 3 else ("large", "false")
+        reference.labels(*labels).observe(value)
+        chunked.labels(*labels).observe(value)
+    def series(registry):  # `prefill-gate serve` turns prometheus_client's _created off
+        return [line for line in generate_latest(registry).splitlines() if b"_created" not in line]
+
+    assert series(ours) == series(theirs)
+    count = ours.get_sample_value("prefill_gate_itl_seconds_count", {"class": "large", "large_prefill_in_flight": "false"})
+    assert count == len(range(0, len(values), 3))
+
+
+def test_chunk_histogram_wants_every_label():
+    h = ChunkHistogram("x_seconds", "x", ["a", "b"], buckets=(1.0,), registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="2 label values"):
+        h.labels("only-one")
