@@ -6,6 +6,7 @@ held out of the fit.
     python3 bench/sim_fit.py --fit D --check D --preset h200-27b-hybrid --step-ms 40 \\
         --chunks direct-2048=1568,direct-2048-nocache=2047 \\
         --check-chunks paced-cap-1568=1568,paced-adaptive-60=1568 --json F   (D: the hybrid run)
+    python3 bench/sim_fit.py ... --slice-floor bench/results/slicing/slice-floor-h200.json
 
 Data: the seed pair direct on vLLM 0.26.0 (`bench overlap` JSON, every token's time). While
 A (28,600 tokens) prefills, B decodes one token per engine step, so B's gaps are the step
@@ -16,6 +17,13 @@ n tokens after s cached ones costs ``C + per_prefill_token x n + attention x n x
 C being a decode step plus ``mixed``. Least squares over every chunk step of every run in
 ``--fit``; ``base`` from B's solo median gap; A's arrival stall from the first gap. Then the
 same model predicts every chunk step of ``--check`` (another run, not used in the fit).
+
+With ``--slice-floor`` (``bench/gpu/slice_floor.py``'s JSON: fully cached token-id prompts
+of growing length sent while B streams), also the two per-id costs of a token-id prompt
+(what a slice costs that is not prefill compute): ``arrival_per_id``, the engine stall per
+id, is the slope of B's largest gap during those requests over the prompt's length;
+``frontend_per_id``, the delay before the engine sees it, is the slope of their round trip
+less that stall. Both by least squares with an intercept over every row.
 """
 
 from __future__ import annotations
@@ -68,6 +76,17 @@ def design(rows):
     return np.array([[1.0, n, n * (s + n / 2)] for n, s, _ in rows]), np.array([t for *_, t in rows])
 
 
+def per_id_costs(floor: dict) -> dict:
+    """(frontend_per_id, arrival_per_id) in seconds per id, from slice_floor.py's rows."""
+    n = np.array([r["tokens"] for r in floor["rows"]], dtype=float)
+    stall = np.array([(r["b_max_gap_ms_during_cached_ids"] - r["b_gap_ms_solo"]) / 1e3 for r in floor["rows"]])
+    rtt = np.array([r["cached_ids_rtt_ms"] / 1e3 for r in floor["rows"]])
+    ones = np.ones_like(n)
+    (_, arrival), *_ = np.linalg.lstsq(np.column_stack([ones, n]), stall, rcond=None)
+    (_, total), *_ = np.linalg.lstsq(np.column_stack([ones, n]), rtt, rcond=None)
+    return {"frontend_per_id": float(total - arrival), "arrival_per_id": float(arrival)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", type=pathlib.Path, required=True)
@@ -76,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-chunks", type=chunk_map, default=None, help="held-out files (default: --chunks)")
     ap.add_argument("--step-ms", type=float, default=STEP_MS, help="a gap over this while A prefills is a chunk step")
     ap.add_argument("--preset", default="h200-qwen3-8b", help="the preset to compare; none: no comparison")
+    ap.add_argument("--slice-floor", type=pathlib.Path, help="slice_floor.py JSON: fit the per-id costs too")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows, firsts, solo = steps(args.fit, args.chunks, args.step_ms)
@@ -96,6 +116,11 @@ def main(argv=None) -> int:
         rel = np.abs(pred - yy) / yy
         return {"steps": len(data), "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max())}
 
+    if args.slice_floor is not None:
+        fitted |= per_id_costs(json.loads(args.slice_floor.read_text()))
+        if current:
+            preset = get_preset(args.preset).cost
+            current |= {"frontend_per_id": preset.frontend_per_id, "arrival_per_id": preset.arrival_per_id}
     check_chunks = args.check_chunks or args.chunks
     held, _, _ = steps(args.check, check_chunks, args.step_ms)
     models = {"fitted": fitted} | ({"preset": current} if current else {})

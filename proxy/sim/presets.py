@@ -34,15 +34,17 @@ def _add(p: Preset) -> None:
 # ~165, 270, 350 and 205 ms; B keeps decoding for ~24 ms after A is sent (the front
 # end's work on 28.6k characters), then A's arrival stalls the engine ~50 ms. Known gap: small mixed steps (--long-prefill-token-
 # threshold 512) cost 25-55 ms on the GPU against ~23 ms here (docs/RESULTS.md). A prompt sent as
-# token ids (a slice) stalls B ~9 ms at 28k ids (issue 18's hand measurement on the H200: 3.1e-7 s
-# per id); its front end, with no tokenizer, is taken as ~3 ms at 28k ids (1e-7 s per id). Both
-# are hand numbers, not fitted: section 11 of docs/RESULTS.md measured a slice's fixed cost on the
-# H200 as ~12 ms + 0.9 us per prompt token, and sliced prompts run faster here than there.
+# token ids (a slice): its front end 6.8e-7 s and its engine stall 1.1e-7 s per id, fitted by
+# bench/sim_fit.py --slice-floor from bench/results/slicing/slice-floor-h200.json (fully cached
+# id prompts of 1k-28.6k ids while B streams; bench/results/sim/fit-h200.json). Checked on the
+# sliced seed pairs held out of that fit (bench/sim_slice_check.py): sliced prompts take 1.8-2.3x
+# longer here than on the H200 with these costs or the hand-set ones before them, so the per-id
+# costs are not what that gap is made of (docs/RESULTS.md section 2).
 _add(Preset(
     name="h200-qwen3-8b",
     cost=CostModel(base=4.65e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
                    attention=1.4e-9, decode_kv=3.0e-8, jitter=0.04, frontend_per_token=0.85e-6,
-                   arrival_per_token=1.7e-6, frontend_per_id=1.0e-7, arrival_per_id=3.1e-7),
+                   arrival_per_token=1.7e-6, frontend_per_id=6.8e-7, arrival_per_id=1.1e-7),
     engine=EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16),
     source="H200 vLLM 0.26.0 Qwen3-8B dummy weights; bench/results/h200/",
 ))
