@@ -22,12 +22,8 @@ import argparse
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
-import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from proxy.bench.overhead import measure
@@ -43,39 +39,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-class Router:
+def router(binary: str, worker: str, cpus: set[int] | None) -> Service:
     """vllm-router in front of one worker, on its own port."""
-
-    def __init__(self, binary: str, worker: str, cpus: set[int] | None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls",
-                                      worker, "--policy", "round_robin", "--log-level", "warning"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        if cpus:
-            os.sched_setaffinity(self.proc.pid, cpus)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited: {pathlib.Path(self.log.name).read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("vllm-router did not answer /health within 60 s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        os.unlink(self.log.name)
+    port = free_port()
+    return Service(name="vllm-router", port=port, cpus=cpus, timeout=60,
+                   argv=[binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
+                         "--policy", "round_robin", "--log-level", "warning"])
 
 
 def level(text: str) -> tuple[int, float]:
@@ -104,24 +73,21 @@ def main(argv=None) -> int:
         os.sched_setaffinity(0, set(cpus[:-1]))
     rows = []
     with Service("bench-upstream", name="stamp") as up, \
-            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy", cpus=relay_cpus) as gate:
-        router = Router(args.router, up.url, relay_cpus)
-        try:
-            targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
-                       "vllm-router": (router.url, router.proc.pid)}
-            for text in args.levels.split(","):
-                streams, interval = level(text)
-                for rnd in range(args.rounds):
-                    for name, (url, pid) in targets.items():
-                        print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
-                        before = cpu_seconds(pid) if pid else 0.0
-                        row = measure(url, streams, args.tokens, interval)
-                        cpu = cpu_seconds(pid) - before if pid else None
-                        row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval,
-                                   cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
-                        rows.append(row)
-        finally:
-            router.stop()
+            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy", cpus=relay_cpus) as gate, \
+            router(args.router, up.url, relay_cpus) as vr:
+        targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
+                   "vllm-router": (vr.url, vr.proc.pid)}
+        for text in args.levels.split(","):
+            streams, interval = level(text)
+            for rnd in range(args.rounds):
+                for name, (url, pid) in targets.items():
+                    print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
+                    before = cpu_seconds(pid) if pid else 0.0
+                    row = measure(url, streams, args.tokens, interval)
+                    cpu = cpu_seconds(pid) - before if pid else None
+                    row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval,
+                               cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
+                    rows.append(row)
     print(table(rows, COLUMNS))
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
