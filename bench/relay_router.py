@@ -24,7 +24,6 @@ import pathlib
 import shutil
 import sys
 
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from proxy.bench.overhead import measure
 from proxy.bench.report import environment, table, write_json
