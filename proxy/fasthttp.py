@@ -111,9 +111,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         if self.head_done and self.until_eof and exc is None:
             self.complete = True
         if not self.complete and self.error is None:
@@ -172,9 +170,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -196,6 +192,11 @@ class _Connection(asyncio.Protocol):
             await fut
         finally:
             self.waiter = None
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _check_deadline(self) -> None:
         self._timer = None

@@ -287,8 +287,6 @@ class Exchange(Response):
             pass
 
 
-
-
 async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:
     """Forward a body unchanged, chunk by chunk (passthrough paths)."""
     with mapped_errors(upstream):

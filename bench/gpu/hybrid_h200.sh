@@ -28,21 +28,13 @@ TIME_SCALE=${TIME_SCALE:-1}
 WAIT=30
 RES=$OUT/$PHASE
 mkdir -p "$RES"
+PROXY_LOG_LEVEL=info  # the proxy logs what slicing did
 source bench/gpu/lib.sh
 COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
         --additional-config '{"gdn_prefill_backend": "triton"}')  # FlashInfer's GDN kernel is not staged
 CACHE=--enable-prefix-caching NOCACHE=--no-enable-prefix-caching  # a hybrid model's default is off
 if [ "${DRY_RUN:-0}" = 1 ]; then COMMON=(--preset "${SIM_PRESET:-h200-27b-hybrid}"); CACHE=; NOCACHE=--no-prefix-caching; fi
 
-proxy_up() {  # port upstream-port args...
-  local port=$1 upstream=$2; shift 2
-  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" --log-level info \
-    --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
-  PIDS+=($!)
-  wait_health "$port" 60 "$!"
-}
-proxy_down() { curl -s "http://127.0.0.1:$1/metrics" > "$RES/proxy-metrics-$1.txt"
-               pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1; }
 pacing() {  # the paced server's settings, through its control file
   printf '%s\n' "$@" > "$RES/control.env.tmp" && mv "$RES/control.env.tmp" "$RES/control.env"; sleep 1
 }

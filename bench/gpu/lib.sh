@@ -1,6 +1,6 @@
 # Shared by the H200 scripts: start vLLM servers (or the simulator with DRY_RUN=1), wait
-# for health, bench the seed shape, clean up. Source it after setting OUT, RES, MODEL,
-# RUNS, UTIL, KV_BYTES.
+# for health, bench the seed shape, put a prefill-gate in front, clean up. Source it after
+# setting OUT, RES, MODEL, RUNS, UTIL, KV_BYTES (and WAIT, PROXY_LOG_LEVEL for proxy_up).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 t0=$(date +%s)
 PIDS=()
@@ -35,6 +35,19 @@ wait_health() {  # port timeout_s [pid]: fails at once if the server process die
     sleep 2
   done
   return 1
+}
+
+proxy_up() {  # port upstream-port args...: a prefill-gate in front of a server (WAIT: its queue bound)
+  local port=$1 upstream=$2; shift 2
+  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" \
+    --log-level "${PROXY_LOG_LEVEL:-warning}" --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
+  PIDS+=($!)
+  wait_health "$port" 60 "$!"
+}
+
+proxy_down() {  # port: its /metrics kept, then stopped
+  curl -s "http://127.0.0.1:$1/metrics" > "$RES/proxy-metrics-$1.txt"
+  pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1
 }
 
 cleanup() { for p in "${PIDS[@]}"; do kill -INT -- "-$p" 2>/dev/null; done; sleep 3;

@@ -91,19 +91,6 @@ short_first() {  # on|off: the paced vLLM server's short-first rule, through its
   sleep 1
 }
 
-proxy_up() {  # port upstream-port args...: a prefill-gate in front of a server
-  local port=$1 upstream=$2; shift 2
-  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" --log-level warning \
-    --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
-  PIDS+=($!)
-  wait_health "$port" 60 "$!"
-}
-
-proxy_down() {  # port: its /metrics kept, then stopped
-  curl -s "http://127.0.0.1:$1/metrics" > "$RES/proxy-metrics-$1.txt"
-  pkill -INT -f "proxy serve .*--port $1 " 2>/dev/null; sleep 1
-}
-
 mixed() {  # label url [bench mixed args...]
   local label=$1 url=$2; shift 2
   say "bench mixed $label -> $url $*"

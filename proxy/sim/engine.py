@@ -235,13 +235,16 @@ class Engine:
                     long_budget -= n
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            cached = 0
             if self.config.enable_prefix_caching:
                 hit = self.cache.hit_blocks(req.block_hashes) * self.config.block_size
-                req.num_cached = req.num_computed = min(hit, req.prompt_len - 1)
-            n = self._cap(req.prompt_len - req.num_computed, budget)
+                cached = min(hit, req.prompt_len - 1)
+            n = self._cap(req.prompt_len - cached, budget)
             if n == 0:
                 break  # align mode: not one whole block fits this step
             self.waiting.pop(0)
+            if self.config.enable_prefix_caching:
+                req.num_cached = req.num_computed = cached
             self.running.append(req)
             plan.chunks.append((req, n))
             budget -= n
