@@ -7,6 +7,9 @@
 #   PHASE=a  :8001 --max-num-batched-tokens 2048 (the report's budget; align block 1568)
 #            :8002 --max-num-batched-tokens 1568 (the align floor)
 #            rows: each direct; through prefill-gate holding (defaults) and slicing (on) -> :8001
+#   PHASE=b  (one call) :8001 --max-num-batched-tokens 8192 (the H200 default) and :8002 1568
+#            (the align floor), both direct; then :8001 is replaced by 2048 --max-num-seqs 1
+#            (the serialised baseline the maintainers asked for). Prefix caching on in all three.
 #   PHASE=c  (one call) :8001 2048 + prefix caching + the paced scheduler; :8002 2048, no
 #            prefix caching; rows: both direct, then on :8001 holding, slicing, pacing cap 1568
 #            and adaptive 60 ms
@@ -60,6 +63,18 @@ case $PHASE in
     bench direct-1568 http://127.0.0.1:8002
     proxy_up 8090 8001 && bench hold-2048 http://127.0.0.1:8090; proxy_down 8090
     proxy_up 8091 8001 --slicing on && bench slice-2048 http://127.0.0.1:8091; proxy_down 8091 ;;
+  b)  # one device call: the budgets around the report's, and the serialised baseline
+    start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 8192
+    sleep 15
+    start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens 1568
+    servers_up || exit 1
+    bench direct-8192 http://127.0.0.1:8001
+    bench direct-1568 http://127.0.0.1:8002
+    stop_server s8001
+    start_server s8003 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048 --max-num-seqs 1
+    wait_health 8001 480 "${PID_OF[s8003]}" || { say "server :8001 (seqs 1) did not come up";
+                                                  tail -40 "$RES/server-s8003.log"; exit 1; }
+    bench direct-2048-seqs1 http://127.0.0.1:8001 ;;
   c)  # one device call: the report's budget with and without prefix caching, and everything
       # of ours on the first (pacing off there is stock vLLM at 2048)
     pacing PREFILL_GATE_PACING=off
@@ -78,9 +93,9 @@ case $PHASE in
     pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=60 PREFILL_GATE_PACING_CAP_TOKENS=1568
     bench paced-adaptive-60 http://127.0.0.1:8001
     grep -h "prefill-gate pacing" "$RES/server-s8001.log" | tail -20 > "$RES/pacing-decisions.log" ;;
-  *) say "PHASE must be a or c"; exit 2 ;;
+  *) say "PHASE must be a, b or c"; exit 2 ;;
 esac
-for s in s8001 s8002; do tail -c 300000 "$RES/server-$s.log" > "$RES/server-$s-tail.log" 2>/dev/null; done
+for s in s8001 s8002 s8003; do tail -c 300000 "$RES/server-$s.log" > "$RES/server-$s-tail.log" 2>/dev/null; done
 : # the tables are in $RES/bench.log
 (cd "$OUT" && tar czf "hybrid-$PHASE.tar.gz" --exclude='server-s800?.log' "$PHASE")
 say "done"

@@ -37,6 +37,13 @@ wait_health() {  # port timeout_s [pid]: fails at once if the server process die
   return 1
 }
 
+stop_server() {  # name: SIGINT to its process group, then wait (60 s) until it has exited and freed the GPU
+  local pid=${PID_OF[$1]} i
+  kill -INT -- "-$pid" 2>/dev/null
+  for i in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$pid" 2>/dev/null; sleep 2
+}
+
 proxy_up() {  # port upstream-port args...: a prefill-gate in front of a server (WAIT: its queue bound)
   local port=$1 upstream=$2; shift 2
   setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" \
