@@ -395,7 +395,18 @@ class GatedExchange(Exchange):
         m.slice_tokens.labels(upstream).inc(run.tokens)
         m.slicing_seconds.observe(run.seconds)
         m.slice_settle_seconds.labels(upstream).inc(run.settling_s)
+        seen = [g for g in run.gaps if g is not None]
+        gaps = m.slice_gap.labels(upstream)
+        for g in seen:
+            gaps.observe(g)
         predictor.slice_done(upstream, run.tokens, run.seconds)
+        if log.isEnabledFor(logging.INFO):
+            fit = predictor.sizer(upstream).model()
+            log.info("sliced request #%d on %s: %d slices, %d tokens in %.3f s; slice tokens %s; largest gaps ms %s; "
+                     "cost model %s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
+                     [None if g is None else round(g * 1000, 1) for g in run.gaps],
+                     "none yet" if fit is None else
+                     f"a={fit.a * 1000:.2f} ms b={fit.b * 1e6:.3f} us c={fit.c * 1e9:.4f} ns margin={fit.margin * 1000:.1f} ms")
         if run.stopped:
             log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,
                         run.tokens, len(ids), run.stopped)

@@ -24,6 +24,7 @@ ADMISSIONS = tuple(d.value for d in AdmissionLabel)
 ERROR_KINDS = tuple(k.value for k in ErrorKind if k is not ErrorKind.OTHER)
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
+_SLICE_GAP = (0.01, 0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _WAIT = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 _ERROR = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2)
@@ -85,6 +86,11 @@ class Metrics:
                               ["upstream"], registry=r)
         self.slice_tokens = Counter(p + "slice_tokens_total", "Prompt tokens covered by slicing, per prompt.",
                                     ["upstream"], registry=r)
+        self.slice_gap = Histogram(
+            p + "slice_gap_seconds",
+            "Per slice: the largest gap a protected stream on the upstream saw while it ran (what the "
+            "slice sizer aims at slice_gap_ms and keeps within max_gap_ms).",
+            ["upstream"], buckets=_SLICE_GAP, registry=r)
         self.slicing_seconds = Histogram(p + "slicing_seconds", "Time a prompt spent being sliced.",
                                          buckets=_WAIT, registry=r)
         self.slice_settle_seconds = Counter(
@@ -110,7 +116,8 @@ class Metrics:
             self.queue_wait.labels(d)
         for u in upstreams:
             for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up,
-                      self.budget_tokens, self.can_slice, self.slices, self.slice_tokens, self.slice_misses):
+                      self.budget_tokens, self.can_slice, self.slices, self.slice_tokens, self.slice_misses,
+                      self.slice_gap):
                 g.labels(u)
             self.retries.labels(u)
             for k in ERROR_KINDS:

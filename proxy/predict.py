@@ -86,7 +86,7 @@ class Predictor:
         self.max_gap_s = max_gap_s
         self._ups = {u: _Upstream(sizer=SliceSizer(slice_gap_s, min_slice_tokens, max_slice_tokens,
                                                    tokens=max(min_slice_tokens, min(512, max_slice_tokens)),
-                                                   hold_unwatched=slice_idle))
+                                                   hold_unwatched=slice_idle, max_gap_s=max_gap_s))
                      for u in upstreams}
         self._lengths: dict[str, deque[int]] = {}
         self._sorted: dict[str, list[int]] = {}

@@ -14,8 +14,10 @@ endpoint renders the prompt with; a request carrying what ``/tokenize`` cannot e
 (images, ``truncate_prompt_tokens``, ``tool_choice: none``...) or asking for
 ``prompt_logprobs`` (which bypasses the cache) is not sliceable and is held instead.
 
-Slice sizes follow the protected streams: after each slice the largest gap a protected
-stream on that upstream saw while it ran moves the size toward ``slice_gap_ms``, within
+Slice sizes follow the protected streams: the largest gap a protected stream on that
+upstream saw while each slice ran feeds a cost model of slices there (per token, and per
+token of context), and each slice is the largest predicted to keep the streams within
+``slice_gap_ms`` and, by the model's recent errors, within ``max_gap_ms``; within
 ``[min_slice_tokens, max_slice_tokens]``, in whole KV blocks (``SliceSizer``). A slice
 waits (at most ``slice_settle_ms``) until no other request on its upstream is prefilling:
 an interactive prompt's prefill in the same engine step would add its cost to the slice's
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 # A slice's own answer is one token of JSON: anything longer is not vLLM.
@@ -108,25 +110,165 @@ class IdPrefixes:
         return b"[" + self._text[: self._ends[tokens // self.block - 1]] + b"]"
 
 
+# The cost model: how many recent slices it is fitted to, how much less each older one
+# weighs, how many it needs before it sizes slices, and which quantile of its recent errors
+# it keeps as a margin below ``max_gap``.
+COST_KEPT = 64
+COST_DECAY = 0.97
+COST_MIN_SLICES = 8
+COST_TAIL_QUANTILE = 0.97
+# A size no larger than this many times the largest slice the model was fitted to: it
+# extrapolates only so far.
+COST_EXTRAPOLATE = 1.5
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """``gap = a + b*n + c*n*(p + n/2)`` in seconds: the largest protected gap while a slice
+    of ``n`` new tokens after a cached prefix of ``p`` runs (a step's fixed part, the slice's
+    per-token work, its attention over the context: ``n`` tokens at a mean context of
+    ``p + n/2``). ``margin``: the recent errors' high quantile (seconds, >= 0)."""
+
+    a: float
+    b: float
+    c: float
+    margin: float
+    largest: int  # the largest slice among the fitted ones
+
+    def gap(self, n: int, p: int) -> float:
+        return self.a + self.b * n + self.c * n * (p + n / 2)
+
+    def tokens_within(self, aim_s: float, p: int) -> float:
+        """The (real) slice size whose predicted gap is ``aim_s`` at prefix ``p`` (0 if even
+        one token is predicted over it)."""
+        room = aim_s - self.a
+        if room <= 0:
+            return 0.0
+        slope = self.b + self.c * p  # the quadratic c/2 n^2 + slope n - room = 0, for n >= 0
+        if self.c <= 0:
+            return room / slope if slope > 0 else 0.0
+        return 2 * room / (slope + (slope * slope + 2 * self.c * room) ** 0.5)
+
+
+def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
+             tail_quantile: float = COST_TAIL_QUANTILE) -> CostFit | None:
+    """Weighted least squares of ``CostFit``'s model over ``(n, p, gap_s)`` observations,
+    oldest first (weight ``decay ** age``). A model whose gap would not grow with ``n`` is
+    refitted without its offending term; None when no fit both explains the data and
+    grows (too few slices, or all of one size at one prefix)."""
+    if len(obs) < 2:
+        return None
+    rows = []
+    for age, (n, p, gap) in enumerate(reversed(obs)):  # features scaled to similar magnitudes
+        rows.append((decay ** age, (1.0, n / 1e3, n * (p + n / 2) / 1e7), gap))
+    best = None
+    for terms in ((0, 1, 2), (0, 2), (0, 1)):
+        coef = _weighted_lstsq(rows, terms)
+        if coef is None:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for t, v in zip(terms, coef):
+            full[t] = v
+        if full[1] < 0 or full[2] < 0 or full[1] + full[2] <= 0:
+            continue  # the gap must grow with the slice
+        sse = sum(w * (gap - sum(f * x for f, x in zip(full, xs))) ** 2 for w, xs, gap in rows)
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, full)
+        if terms == (0, 1, 2):
+            break  # the full model holds: the nested ones can only fit worse
+    if best is None:
+        return None
+    a, b, c = best[1][0], best[1][1] / 1e3, best[1][2] / 1e7
+    errors = sorted(gap - (a + b * n + c * n * (p + n / 2)) for n, p, gap in obs[-COST_KEPT:])
+    margin = max(0.0, errors[min(len(errors) - 1, int(tail_quantile * len(errors)))])
+    return CostFit(a, b, c, margin, max(n for n, _, _ in obs))
+
+
+def _weighted_lstsq(rows, terms) -> list[float] | None:
+    """Solve the normal equations of a weighted least squares restricted to ``terms``
+    (Gaussian elimination with partial pivoting); None when singular."""
+    k = len(terms)
+    m = [[0.0] * (k + 1) for _ in range(k)]
+    for w, xs, y in rows:
+        sel = [xs[t] for t in terms]
+        for i in range(k):
+            wi = w * sel[i]
+            for j in range(k):
+                m[i][j] += wi * sel[j]
+            m[i][k] += wi * y
+    scale = max(m[i][i] for i in range(k))
+    if scale <= 0:
+        return None
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-9 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for j in range(col, k + 1):
+                    m[r][j] -= f * m[col][j]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
 @dataclass
 class SliceSizer:
-    """Slice size per upstream, moved by the protected streams' gaps (multiplicative, at
-    most 1.5x up or 2x down per slice, so a noisy gap cannot swing it). A slice no stream
-    saw grows it 1.5x, unless ``hold_unwatched`` (slicing with nothing live, for arrivals'
-    sake: a stream starting next must find slices still sized to the gap target)."""
+    """Slice size per upstream, from what slices cost the protected streams there.
+
+    Each slice a stream saw adds ``(tokens, prefix, largest gap)`` to a cost model
+    (``fit_cost``); once it has ``COST_MIN_SLICES`` of them, a slice is the largest whose
+    predicted gap at its own prefix stays within the aim: ``target_s``, and ``max_gap_s``
+    less the model's recent errors' high quantile (the promise is about the worst gap, not
+    the typical one). The model carries from one prompt to the next and knows that the
+    same slice costs more deeper into a prompt, so early slices are large and late ones
+    small from the start, with no overshoot while a size is found again.
+
+    Until then (and whenever no fit grows with the slice), the size moves with each slice's
+    gap, multiplicatively: at most 1.5x up or 2x down per slice, so a noisy gap cannot swing
+    it. A slice no stream saw grows it 1.5x, unless ``hold_unwatched`` (slicing with nothing
+    live, for arrivals' sake: a stream starting next must find slices still sized to the
+    gap target)."""
 
     target_s: float
     min_tokens: int
     max_tokens: int
     tokens: int = 512
     hold_unwatched: bool = False
+    max_gap_s: float | None = None
+    history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, prefix, gap_s)
+    _fit: CostFit | None = None
+    _stale: bool = False
 
-    def size(self, block: int) -> int:
+    def model(self) -> CostFit | None:
+        """The cost model, refitted after new slices (None until it has enough)."""
+        if self._stale:
+            self._fit = fit_cost(self.history) if len(self.history) >= COST_MIN_SLICES else None
+            self._stale = False
+        return self._fit
+
+    def aim_s(self, fit: CostFit | None = None) -> float:
+        if fit is None or self.max_gap_s is None:
+            return self.target_s
+        return min(self.target_s, self.max_gap_s - fit.margin)
+
+    def size(self, block: int, prefix: int = 0) -> int:
+        """The next slice, in whole blocks, at least ``min_tokens``; ``prefix``: the tokens
+        already cached (where the slice starts)."""
+        fit = self.model()
+        if fit is not None:
+            want = min(fit.tokens_within(self.aim_s(fit), prefix), COST_EXTRAPOLATE * fit.largest)
+            self.tokens = int(min(self.max_tokens, max(self.min_tokens, want)))
         lo = -(-self.min_tokens // block) * block
         return max(lo, min(self.tokens, self.max_tokens) // block * block)
 
-    def after(self, max_gap_s: float | None) -> None:
-        """A slice ran; ``max_gap_s``: the largest protected gap meanwhile (None: no stream)."""
+    def after(self, max_gap_s: float | None, tokens: int | None = None, prefix: int = 0) -> None:
+        """A slice of ``tokens`` after ``prefix`` cached ran; ``max_gap_s``: the largest
+        protected gap meanwhile (None: no stream saw it)."""
+        if max_gap_s is not None and tokens:
+            self.history.append((tokens, prefix, max_gap_s))
+            del self.history[:-COST_KEPT]
+            self._stale = True
         if max_gap_s is None:
             factor = 1.0 if self.hold_unwatched else 1.5
         else:
@@ -141,6 +283,8 @@ class SliceRun:
     seconds: float = 0.0
     stopped: str = ""  # why slicing ended before the last whole block ("" if it did not)
     settling_s: float = 0.0  # waited for other requests' prefills to end before slices
+    gaps: list[float | None] = field(default_factory=list)  # each slice's largest protected gap (None: unseen)
+    sizes: list[int] = field(default_factory=list)  # each slice's new tokens
 
 
 SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream answered 200
@@ -174,13 +318,16 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
             break
         if settle is not None:
             run.settling_s += await settle()
-        end = min(last, run.tokens + sizer.size(block))
+        end = min(last, run.tokens + sizer.size(block, run.tokens))
         window()
         ok = await send(head + b',"prompt":' + prefixes.json(end) + b"}")
         if not ok:
             run.stopped = "upstream_error"
             break
-        sizer.after(await window_end())
+        gap = await window_end()
+        sizer.after(gap, end - run.tokens, run.tokens)
+        run.gaps.append(gap)
+        run.sizes.append(end - run.tokens)
         run.slices += 1
         run.tokens = end
     run.seconds = clock() - start
