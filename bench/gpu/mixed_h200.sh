@@ -16,7 +16,8 @@
 #   direct       stock vLLM
 #   hold         prefill-gate, default settings (holds long prompts) -> stock
 #   slice-on     prefill-gate --slicing on -> stock
-#   slice-auto   prefill-gate --slicing auto -> stock
+#   slice-auto   prefill-gate --slicing auto -> stock (its log has each sliced prompt's slices)
+#   slice-auto-45  the same, aiming slices at 45 ms (--slice-gap-ms 45; max_gap_ms stays 50)
 #   paced        the paced server, short-first off (SHORT_TOKENS=0): plain pacing
 #   paced-short  the paced server, short-first on (the default, 1024)
 #   loop         prefill-gate --itl-slo-ms 20 -> the paced server, short-first on
@@ -104,7 +105,10 @@ row() {
     direct) mixed direct http://127.0.0.1:$STOCK ;;
     hold) proxy_up 8090 $STOCK && mixed hold http://127.0.0.1:8090; proxy_down 8090 ;;
     slice-on) proxy_up 8091 $STOCK --slicing on && mixed slice-on http://127.0.0.1:8091; proxy_down 8091 ;;
-    slice-auto) proxy_up 8092 $STOCK --slicing auto && mixed slice-auto http://127.0.0.1:8092; proxy_down 8092 ;;
+    slice-auto) proxy_up 8092 $STOCK --slicing auto --log-level info && mixed slice-auto http://127.0.0.1:8092
+      proxy_down 8092 ;;
+    slice-auto-45) proxy_up 8099 $STOCK --slicing auto --slice-gap-ms 45 --log-level info \
+      && mixed slice-auto-45 http://127.0.0.1:8099; proxy_down 8099 ;;
     slice-idle) proxy_up 8095 $STOCK --slicing auto --slice-when-idle && mixed slice-idle http://127.0.0.1:8095
       proxy_down 8095 ;;
     sparse-auto) proxy_up 8096 $STOCK --slicing auto && mixed sparse-auto http://127.0.0.1:8096 $SPARSE_ARGS
