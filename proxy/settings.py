@@ -75,7 +75,9 @@ class Settings(BaseModel):
         "predicted to finish the prompt sooner than holding and to keep max_gap_ms; off: hold.",
     )
     slice_gap_ms: float = Field(
-        40.0, gt=0, description="Slicing: the protected streams' largest gap the slice size aims at."
+        45.0, gt=0,
+        description="Slicing: the protected streams' largest gap the slice size aims at (lowered by the "
+        "slice cost model's recent errors to keep max_gap_ms).",
     )
     max_gap_ms: float = Field(
         50.0, gt=0,

@@ -154,13 +154,18 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
              tail_quantile: float = COST_TAIL_QUANTILE) -> CostFit | None:
     """Weighted least squares of ``CostFit``'s model over ``(n, p, gap_s)`` observations,
     oldest first (weight ``decay ** age``). A model whose gap would not grow with ``n`` is
-    refitted without its offending term; None when no fit both explains the data and
-    grows (too few slices, or all of one size at one prefix)."""
+    refitted without its offending term. None when no fit explains the data as a step
+    would: too few slices, all of one size at one prefix, or a negative fixed part.
+
+    The engine's cost is not one line: a step within its largest CUDA graph (vLLM: 512
+    tokens) replays the graph and one just over it does not (on the H200, ~16 ms for 496
+    new tokens beside 12 streams, ~40 ms for 512). Slices on both sides of that step fit
+    a line through both clusters, with a negative fixed part and a slope that calls any
+    larger slice too dear: refused (``SliceSizer`` keeps its last fit)."""
     if len(obs) < 2:
         return None
-    rows = []
-    for age, (n, p, gap) in enumerate(reversed(obs)):  # features scaled to similar magnitudes
-        rows.append((decay ** age, (1.0, n / 1e3, n * (p + n / 2) / 1e7), gap))
+    rows = [(decay ** age, (1.0, n / 1e3, n * (p + n / 2) / 1e7), gap)  # features of similar magnitudes
+            for age, (n, p, gap) in enumerate(reversed(obs))]
     best = None
     for terms in ((0, 1, 2), (0, 2), (0, 1)):
         coef = _weighted_lstsq(rows, terms)
@@ -169,8 +174,8 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
         full = [0.0, 0.0, 0.0]
         for t, v in zip(terms, coef):
             full[t] = v
-        if full[1] < 0 or full[2] < 0 or full[1] + full[2] <= 0:
-            continue  # the gap must grow with the slice
+        if full[1] < 0 or full[2] < 0 or full[1] + full[2] <= 0 or full[0] < 0:
+            continue  # the gap must grow with the slice, from a fixed part of at least 0
         sse = sum(w * (gap - sum(f * x for f, x in zip(full, xs))) ** 2 for w, xs, gap in rows)
         if best is None or sse < best[0] - 1e-12:
             best = (sse, full)
@@ -180,7 +185,7 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
         return None
     a, b, c = best[1][0], best[1][1] / 1e3, best[1][2] / 1e7
     errors = sorted(gap - (a + b * n + c * n * (p + n / 2)) for n, p, gap in obs[-COST_KEPT:])
-    margin = max(0.0, errors[min(len(errors) - 1, int(tail_quantile * len(errors)))])
+    margin = max(0.0, errors[int(tail_quantile * (len(errors) - 1))])  # of 8 to 33 slices: the second largest
     return CostFit(a, b, c, margin, max(n for n, _, _ in obs))
 
 
@@ -239,11 +244,21 @@ class SliceSizer:
     history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, prefix, gap_s)
     _fit: CostFit | None = None
     _stale: bool = False
+    _unfit: int = 0  # slices since the last fit
 
     def model(self) -> CostFit | None:
-        """The cost model, refitted after new slices (None until it has enough)."""
+        """The cost model, refitted after new slices (None until it has enough). When the
+        recent slices admit no fit (``fit_cost``), the last fit stands, for at most
+        ``COST_KEPT`` slices: data straddling the engine's graph step must not make the
+        sizer forget what larger slices cost."""
         if self._stale:
-            self._fit = fit_cost(self.history) if len(self.history) >= COST_MIN_SLICES else None
+            fit = fit_cost(self.history) if len(self.history) >= COST_MIN_SLICES else None
+            if fit is not None:
+                self._fit, self._unfit = fit, 0
+            else:
+                self._unfit += 1
+                if self._unfit > COST_KEPT:
+                    self._fit = None
             self._stale = False
         return self._fit
 

@@ -3,11 +3,13 @@ the protected streams, learned from the slices themselves, and the sizes it pick
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
-from proxy.slicer import COST_MIN_SLICES, SliceSizer, fit_cost
+from proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, fit_cost
 
 # A cost of the H200's shape (section 11 of docs/RESULTS.md: 8,192 tokens at an empty
 # prefix ~52 ms, 1,024 after 28k ~38 ms): 6 ms a step, 1.4 us a token, 1.03 ns a token of
@@ -114,3 +116,36 @@ def test_sizes_stay_within_bounds_and_blocks():
         s.after(true_gap(512, p), 512, p)
         s.after(true_gap(256, p), 256, p)
     assert s.size(16, 0) == 768
+
+
+def h200_cliff_slices() -> list[tuple[int, int, float]]:
+    data = json.loads((Path(__file__).parent / "fixtures" / "slices-h200-cliff.json").read_text())
+    return [(n, p, gap / 1000) for n, p, gap in data["slices"]]
+
+
+def test_slices_straddling_the_engines_graph_step_are_refused_as_a_line():
+    """Real slices (H200, 12 users): ~500-600 tokens, some at 16 ms (steps within vLLM's
+    512-token CUDA graph) and most at ~40 ms. A line through both clusters has a negative
+    fixed part and calls every larger slice too dear: refused."""
+    obs = h200_cliff_slices()
+    assert min(n for n, _, _ in obs) < 512 < max(n for n, _, _ in obs)
+    assert fit_cost(obs) is None
+
+
+def test_the_sizer_keeps_its_last_fit_while_new_slices_admit_none():
+    s = SliceSizer(target_s=0.045, min_tokens=256, max_tokens=4096, tokens=512, max_gap_s=0.050)
+    for n, p in [(1024, 0), (1536, 4000), (2048, 9000), (1200, 12000), (1800, 15000), (1400, 18000),
+                 (2000, 1000), (1100, 6000), (1700, 11000), (1300, 16000)]:
+        s.after(0.027 + 6e-6 * n, n, p)
+    good = s.model()
+    assert good is not None and s.size(16, 0) > 2000
+    for n, p, gap in h200_cliff_slices()[:40]:  # data no line explains
+        s.after(gap, n, p)
+        s.size(16, p)
+    # Still sized by what larger slices cost (the last fit that held), not locked at the cliff.
+    assert s.model() is not None and s._unfit > 20 and s.size(16, 0) > 2000
+    for i in range(COST_KEPT + 1):  # gaps that shrink as slices grow: never a fit
+        n = 256 * (1 + i % 2)
+        s.after(0.05 - n * 1e-5, n, 0)
+        s.size(16, 0)
+    assert s.model() is None  # after COST_KEPT slices with no fit, the gap rule again
