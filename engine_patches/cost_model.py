@@ -123,14 +123,24 @@ class StepCostModel:
             + [self._xty[i] + PRIOR_WEIGHT * PRIOR[i]]
             for i in range(N_FEATURES)
         ]
-        for col in range(N_FEATURES):
-            pivot = max(range(col, N_FEATURES), key=lambda r: abs(m[r][col]))
-            if abs(m[pivot][col]) < 1e-18:
-                return self._theta
-            m[col], m[pivot] = m[pivot], m[col]
-            for r in range(N_FEATURES):
-                if r != col:
-                    f = m[r][col] / m[col][col]
-                    for k in range(col, N_FEATURES + 1):
-                        m[r][k] -= f * m[col][k]
-        return tuple(m[i][N_FEATURES] / m[i][i] for i in range(N_FEATURES))
+        theta = solve_augmented(m, 1e-18)
+        return self._theta if theta is None else tuple(theta)
+
+
+def solve_augmented(m: list[list[float]], tiny: float) -> list[float] | None:
+    """Solve the square system whose rows are ``m`` (coefficients, then the right-hand
+    side) by Gauss-Jordan elimination with partial pivoting, in place; None when a pivot
+    is not above ``tiny`` in magnitude (a singular system). Pure Python: the systems here
+    are 3x3 and 4x4, solved once a step or once a slice."""
+    k = len(m)
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= tiny:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for j in range(col, k + 1):
+                    m[r][j] -= f * m[col][j]
+    return [m[i][k] / m[i][i] for i in range(k)]

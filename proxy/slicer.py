@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
+from engine_patches.cost_model import solve_augmented
+
 # A slice's own answer is one token of JSON: anything longer is not vLLM.
 MAX_SLICE_ANSWER_BYTES = 64 * 1024
 
@@ -190,8 +192,8 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
 
 
 def _weighted_lstsq(rows, terms) -> list[float] | None:
-    """Solve the normal equations of a weighted least squares restricted to ``terms``
-    (Gaussian elimination with partial pivoting); None when singular."""
+    """Solve the normal equations of a weighted least squares restricted to ``terms``;
+    None when singular."""
     k = len(terms)
     m = [[0.0] * (k + 1) for _ in range(k)]
     for w, xs, y in rows:
@@ -202,19 +204,7 @@ def _weighted_lstsq(rows, terms) -> list[float] | None:
                 m[i][j] += wi * sel[j]
             m[i][k] += wi * y
     scale = max(m[i][i] for i in range(k))
-    if scale <= 0:
-        return None
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-9 * scale:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(k):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for j in range(col, k + 1):
-                    m[r][j] -= f * m[col][j]
-    return [m[i][k] / m[i][i] for i in range(k)]
+    return solve_augmented(m, 1e-9 * scale) if scale > 0 else None
 
 
 @dataclass

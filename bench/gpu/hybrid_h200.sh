@@ -51,25 +51,24 @@ servers_up() {
   cat "$RES/blocks.txt"
 }
 
+two_direct() {  # budget budget: :8001 and :8002 with prefix caching at those budgets, each benched direct
+  start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens "$1"
+  sleep 15
+  start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens "$2"
+  servers_up || exit 1
+  bench "direct-$1" http://127.0.0.1:8001
+  bench "direct-$2" http://127.0.0.1:8002
+}
+
 trap cleanup EXIT
 gpu_info
 case $PHASE in
   a)
-    start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048
-    sleep 15
-    start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens 1568
-    servers_up || exit 1
-    bench direct-2048 http://127.0.0.1:8001
-    bench direct-1568 http://127.0.0.1:8002
+    two_direct 2048 1568
     proxy_up 8090 8001 && bench hold-2048 http://127.0.0.1:8090; proxy_down 8090
     proxy_up 8091 8001 --slicing on && bench slice-2048 http://127.0.0.1:8091; proxy_down 8091 ;;
   b)  # one device call: the budgets around the report's, and the serialised baseline
-    start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 8192
-    sleep 15
-    start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens 1568
-    servers_up || exit 1
-    bench direct-8192 http://127.0.0.1:8001
-    bench direct-1568 http://127.0.0.1:8002
+    two_direct 8192 1568
     stop_server s8001
     start_server s8003 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048 --max-num-seqs 1
     wait_health 8001 480 "${PID_OF[s8003]}" || { say "server :8001 (seqs 1) did not come up";
