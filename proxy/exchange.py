@@ -395,10 +395,10 @@ class GatedExchange(Exchange):
         m.slice_tokens.labels(upstream).inc(run.tokens)
         m.slicing_seconds.observe(run.seconds)
         m.slice_settle_seconds.labels(upstream).inc(run.settling_s)
-        seen = [g for g in run.gaps if g is not None]
         gaps = m.slice_gap.labels(upstream)
-        for g in seen:
-            gaps.observe(g)
+        for g in run.gaps:
+            if g is not None:
+                gaps.observe(g)
         predictor.slice_done(upstream, run.tokens, run.seconds)
         if log.isEnabledFor(logging.INFO):
             fit = predictor.sizer(upstream).model()

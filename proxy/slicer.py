@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Sequence
 
 from engine_patches.cost_model import solve_augmented
@@ -185,10 +185,10 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
             break  # the full model holds: the nested ones can only fit worse
     if best is None:
         return None
-    a, b, c = best[1][0], best[1][1] / 1e3, best[1][2] / 1e7
-    errors = sorted(gap - (a + b * n + c * n * (p + n / 2)) for n, p, gap in obs[-COST_KEPT:])
+    fit = CostFit(best[1][0], best[1][1] / 1e3, best[1][2] / 1e7, 0.0, max(n for n, _, _ in obs))
+    errors = sorted(gap - fit.gap(n, p) for n, p, gap in obs)
     margin = max(0.0, errors[int(tail_quantile * (len(errors) - 1))])  # of 8 to 33 slices: the second largest
-    return CostFit(a, b, c, margin, max(n for n, _, _ in obs))
+    return replace(fit, margin=margin)
 
 
 def _weighted_lstsq(rows, terms) -> list[float] | None:
