@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from .gate import Lease
-    from .predict import Predictor
+    from .predict import GapWindow, Predictor
     from .state import AppState
 
 log = logging.getLogger("prefill_gate")
@@ -285,14 +285,15 @@ async def fetch_token_ids(state: "AppState", payload: dict, upstream: str,
         return None
 
 
-async def slice_window_end(predictor: "Predictor", upstream: str, wait_s: float = WINDOW_END_WAIT_S) -> float | None:
+async def slice_window_end(predictor: "Predictor", upstream: str, window: "GapWindow",
+                           wait_s: float = WINDOW_END_WAIT_S) -> float | None:
     """Close a slice's gap window: its answer and the streams' chunk from the same engine
     step race to the proxy, so wait (briefly) for a protected stream's next gap first, or
     the window would miss the very gap the slice caused."""
     seen, give_up = predictor.gaps_seen(upstream), time.monotonic() + wait_s
     while predictor.gaps_seen(upstream) == seen and predictor.live(upstream) and time.monotonic() < give_up:
         await asyncio.sleep(0.001)
-    return predictor.window_max(upstream)
+    return predictor.window_max(upstream, window)
 
 
 class GatedExchange(Exchange):
@@ -387,8 +388,9 @@ class GatedExchange(Exchange):
         run = await run_slices(ids, caps.block_size, predictor.sizer(upstream), send, model=req.model or None,
                                cache_salt=req.cache_salt, deadline=req.ticket.deadline,
                                window=lambda: predictor.window_start(upstream),
-                               window_end=lambda: slice_window_end(predictor, upstream),
-                               settle=lambda: st.gate.prefills_settled(upstream, st.settings.slice_settle_ms / 1000))
+                               window_end=lambda w: slice_window_end(predictor, upstream, w),
+                               settle=lambda: st.gate.prefills_settled(upstream, st.settings.slice_settle_ms / 1000),
+                               inflight=st.settings.slice_inflight)
         self.slice_run = run
         m = st.metrics
         m.slices.labels(upstream).inc(run.slices)

@@ -15,8 +15,9 @@ admission policy's chooser in ``slicing: auto``:
     slice:  the prompt's tokens at the rate slicing has reached on this upstream.
 
 Slice when slicing is predicted to finish first and it keeps the gap promise
-(``max_gap_ms``): a slicer that ran at its smallest size and still saw a protected gap
-over the promise disqualifies itself there for ``PROMISE_COOLDOWN_S``. With
+(``max_gap_ms``): slices at their smallest size that still saw protected gaps over the
+promise (``PROMISE_BROKEN`` of the last ``PROMISE_WINDOWS``) disqualify slicing there for
+``PROMISE_COOLDOWN_S``. With
 ``slice_when_idle``, slice also when nothing protected is live (holding would admit the
 prompt at once, whole, and stall the first tokens of requests arriving meanwhile).
 """
@@ -24,6 +25,7 @@ prompt at once, whole, and stall the first tokens of requests arriving meanwhile
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import time
 from collections import deque
@@ -43,6 +45,10 @@ MIN_LENGTHS = 20  # before this many, a stream's remaining length comes from max
 UNKNOWN_REMAINING = 256  # no max_tokens, no history: assume this many tokens remain
 MAX_LOAD = 50.0  # L x D beyond this: exp() would only say "forever" at more cost
 PROMISE_COOLDOWN_S = 30.0
+# ... once this many of the last PROMISE_WINDOWS smallest slices went over it: one gap over
+# (an interactive prompt in the slice's step, a hiccup) says nothing about the slices.
+PROMISE_BROKEN = 3
+PROMISE_WINDOWS = 8
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,19 @@ class _Stream:
     started: float
 
 
+class GapWindow:
+    """The largest protected gap on an upstream while one slice ran (None: none yet)."""
+
+    __slots__ = ("largest",)
+
+    def __init__(self) -> None:
+        self.largest: float | None = None
+
+
+# Open gap windows kept per upstream at most (a slicer cancelled mid-slice leaves its own).
+MAX_WINDOWS = 8
+
+
 @dataclass
 class _Upstream:
     gap_s: float = PRIOR_GAP_S
@@ -72,9 +91,9 @@ class _Upstream:
     duration_s: float = 0.0  # how long a protected stream lasts, on average (0: none ended yet)
     streams: dict[int, _Stream] = field(default_factory=dict)
     gaps: int = 0  # protected gaps seen so far (a slicer waits for the one its slice caused)
-    window: float | None = None  # the largest protected gap since window_start (None: none yet)
-    windowing: bool = False
+    windows: list[GapWindow] = field(default_factory=list)  # open: one per slice in flight
     broken_until: float = -math.inf
+    smallest_over: deque[bool] = field(default_factory=lambda: deque(maxlen=PROMISE_WINDOWS))
     sizer: SliceSizer | None = None
 
 
@@ -124,8 +143,9 @@ class Predictor:
         up = self._ups[upstream]
         up.gaps += 1
         up.gap_s += EWMA * 0.1 * (seconds - up.gap_s)
-        if up.windowing and (up.window is None or seconds > up.window):
-            up.window = seconds
+        for w in up.windows:  # none unless a slice runs
+            if w.largest is None or seconds > w.largest:
+                w.largest = seconds
 
     def live(self, upstream: str) -> int:
         return len(self._ups[upstream].streams)
@@ -134,17 +154,27 @@ class Predictor:
         return self._ups[upstream].gaps
 
     # ------------------------------------------------------------------ slicing
-    def window_start(self, upstream: str) -> None:
+    def window_start(self, upstream: str) -> GapWindow:
+        """Open a gap window for a slice about to be sent (``window_max`` closes it)."""
         up = self._ups[upstream]
-        up.window, up.windowing = None, True
+        w = GapWindow()
+        up.windows.append(w)
+        del up.windows[:-MAX_WINDOWS]
+        return w
 
-    def window_max(self, upstream: str) -> float | None:
+    def window_max(self, upstream: str, window: GapWindow) -> float | None:
+        """Close ``window``: the largest protected gap since it opened (None: no stream
+        chunk came)."""
         up = self._ups[upstream]
-        up.windowing = False
+        with contextlib.suppress(ValueError):
+            up.windows.remove(window)
         sizer = up.sizer
-        if up.window is not None and up.window > self.max_gap_s and sizer.tokens <= sizer.min_tokens:
-            up.broken_until = self.clock() + PROMISE_COOLDOWN_S  # even the smallest slice stalls
-        return up.window
+        if window.largest is not None and sizer.tokens <= sizer.min_tokens:
+            up.smallest_over.append(window.largest > self.max_gap_s)
+            if sum(up.smallest_over) >= PROMISE_BROKEN:  # even the smallest slices stall
+                up.broken_until = self.clock() + PROMISE_COOLDOWN_S
+                up.smallest_over.clear()
+        return window.largest
 
     def slice_done(self, upstream: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:

@@ -95,6 +95,12 @@ class Settings(BaseModel):
         description="Slicing: slice a large prompt also when no protected stream is live (instead "
         "of admitting it whole), so requests arriving during its prefill are not stalled behind it.",
     )
+    slice_inflight: int = Field(
+        1, ge=1, le=4,
+        description="Slicing: slices in flight at once; 2 sends the next slice half a round trip "
+        "after the previous, so that the engine takes it in while the previous one computes "
+        "(vLLM caches a slice's blocks when it schedules them).",
+    )
     min_slice_tokens: int = Field(256, ge=1, description="Slicing: the smallest slice (rounded up to a KV block).")
     max_slice_tokens: int = Field(4096, ge=1, description="Slicing: the largest slice.")
     sse_keepalive: float = Field(

@@ -69,7 +69,7 @@ def test_id_prefixes_are_the_json_of_each_block_prefix():
 
 
 def gap_of(seconds):
-    async def window_end():
+    async def window_end(window):
         return seconds
     return window_end
 
@@ -131,6 +131,113 @@ async def test_each_slice_waits_for_settle_first():
                            window=lambda: events.append("window"), window_end=gap_of(None), settle=settle)
     assert events == ["settle", "window", "slice"] * run.slices and run.slices == 4
     assert run.settling_s == 0.25 * run.slices
+
+
+async def test_two_slices_in_flight_overlap_in_order_after_the_first_round_trip():
+    """inflight=2: the first slice goes alone (its round trip sets the spacing), then each
+    slice is sent while the previous one is still answering, never more than two at once,
+    the prefixes still growing in order; the run covers the same prompt as one at a time."""
+    ids = list(range(3000))
+    loop = asyncio.get_running_loop()
+    events, in_flight, peak = [], set(), [0]
+
+    async def send(body: bytes) -> bool:
+        end = len(json.loads(body)["prompt"])
+        events.append(("sent", end, loop.time(), frozenset(in_flight)))
+        in_flight.add(end)
+        peak[0] = max(peak[0], len(in_flight))
+        await asyncio.sleep(0.02)
+        in_flight.discard(end)
+        return True
+
+    sizer = SliceSizer(0.03, 256, 256, 256)
+    run = await run_slices(ids, 16, sizer, send, model=None, cache_salt=None, deadline=float("inf"),
+                           window=lambda: None, window_end=gap_of(0.01), inflight=2)
+    ends = [e for _, e, _, _ in events]
+    assert ends == list(range(256, 2992, 256)) + [2992] and run.tokens == 2992 and run.slices == len(ends)
+    assert events[1][3] == frozenset()  # the second slice waited for the first one's answer
+    assert peak[0] == 2 and sum(1 for *_, busy in events if busy) >= len(ends) // 2  # (timing: most, not all)
+    spacing = [b[2] - a[2] for a, b in zip(events[1:], events[2:])]
+    assert min(spacing) >= 0.005  # about half a round trip apart (0.01 s), not at once
+    one = SliceSizer(0.03, 256, 256, 256)
+    events.clear()
+    await run_slices(ids, 16, one, send, model=None, cache_salt=None, deadline=float("inf"),
+                     window=lambda: None, window_end=gap_of(0.01))
+    assert all(not busy for *_, busy in events)  # inflight=1: one at a time, as before
+
+
+async def test_a_failed_slice_cancels_the_one_in_flight_behind_it():
+    loop = asyncio.get_running_loop()
+    answers: dict[int, asyncio.Future] = {}
+    cancelled = []
+
+    async def send(body: bytes) -> bool:
+        end = len(json.loads(body)["prompt"])
+        answers[end] = loop.create_future()
+        try:
+            return await answers[end]
+        except asyncio.CancelledError:
+            cancelled.append(end)
+            raise
+
+    async def sent(end: int) -> None:
+        while end not in answers:
+            await asyncio.sleep(0)
+
+    sizer = SliceSizer(0.03, 256, 256, 256)
+    run = asyncio.ensure_future(run_slices(list(range(5000)), 16, sizer, send, model=None, cache_salt=None,
+                                           deadline=float("inf"), window=lambda: None, window_end=gap_of(None),
+                                           inflight=2, clock=lambda: 0.0))
+    await sent(256)
+    answers[256].set_result(True)
+    await sent(768)  # two in flight now: 512 and 768
+    answers[512].set_result(True)
+    await sent(1024)
+    answers[768].set_result(False)  # 768 fails while 1024 runs
+    run = await run
+    assert run.stopped == "upstream_error" and run.tokens == 512 and run.slices == 2
+    assert cancelled == [1024] and sorted(answers) == [256, 512, 768, 1024]
+
+
+async def test_cancelling_a_pipelined_run_cancels_its_slices():
+    started, cancelled = [], []
+
+    async def send(body: bytes) -> bool:
+        started.append(body)
+        try:
+            await asyncio.sleep(0.02 if len(started) == 1 else 10)
+        except asyncio.CancelledError:
+            cancelled.append(len(started))
+            raise
+        return True
+
+    task = asyncio.ensure_future(run_slices(list(range(5000)), 16, SliceSizer(0.03, 256, 256, 256), send,
+                                            model=None, cache_salt=None, deadline=float("inf"),
+                                            window=lambda: None, window_end=gap_of(None), inflight=2))
+    while len(started) < 3:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(cancelled) == 2  # both slices in flight, none left running
+
+
+def test_overlapping_slices_each_see_the_gaps_of_their_own_time():
+    from proxy.predict import MAX_WINDOWS, Predictor
+
+    p = Predictor(["u"], slice_gap_s=0.04, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096)
+    first = p.window_start("u")
+    p.gap("u", 0.030)
+    second = p.window_start("u")
+    p.gap("u", 0.020)
+    assert p.window_max("u", first) == pytest.approx(0.030)
+    p.gap("u", 0.045)
+    assert p.window_max("u", second) == pytest.approx(0.045)
+    p.gap("u", 0.5)  # no window open: nothing kept
+    assert p.window_max("u", first) == pytest.approx(0.030)
+    for _ in range(3 * MAX_WINDOWS):  # windows abandoned by cancelled slicers stay bounded
+        p.window_start("u")
+    assert len(p._ups["u"].windows) == MAX_WINDOWS
 
 
 def test_slice_size_follows_the_gaps_in_whole_blocks():
@@ -428,13 +535,13 @@ async def test_a_slices_window_waits_for_the_gap_that_arrives_after_its_answer()
 
     p = Predictor(["u"], slice_gap_s=0.04, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096)
     p.stream_started("u", 1, None, "m", lambda: 0)
-    p.window_start("u")
+    w = p.window_start("u")
     p.gap("u", 0.006)  # decode steps before the slice ran
     asyncio.get_running_loop().call_later(0.01, p.gap, "u", 0.080)  # the slice's own gap, late
-    assert await slice_window_end(p, "u") == pytest.approx(0.080)
-    p.window_start("u")  # no stream chunk comes: the wait is bounded
+    assert await slice_window_end(p, "u", w) == pytest.approx(0.080)
+    w = p.window_start("u")  # no stream chunk comes: the wait is bounded
     t = asyncio.get_running_loop().time()
-    assert await slice_window_end(p, "u", wait_s=0.05) is None
+    assert await slice_window_end(p, "u", w, wait_s=0.05) is None
     assert asyncio.get_running_loop().time() - t < 0.2
 
 

@@ -24,6 +24,9 @@
 #   frontier     the seed pair (bench overlap, A alone too) through prefill-gate slicing at
 #                fixed sizes 256, 512, 1024 and with feedback; the paced server's seed pair
 #                with short-first off and on
+#   slice-pipe   the same with two slices in flight (--slice-inflight 2)
+#   slice-graph  two in flight, every slice GRAPH_SLICE tokens (480: with the streams' decodes
+#                a step within vLLM's largest CUDA graph, 512 tokens)
 #   slice-idle   prefill-gate --slicing auto --slice-when-idle -> stock
 #   sparse-auto, sparse-idle   the same two with few users (SPARSE_ARGS: 3 users, 2 s think),
 #                so that long prompts often arrive with nothing protected live
@@ -45,6 +48,7 @@ BASELINE=${BASELINE:-20}
 SEED=${SEED:-0}
 TIME_SCALE=${TIME_SCALE:-1}
 ROWS=${ROWS:-direct hold slice-on slice-auto paced paced-short loop frontier}
+GRAPH_SLICE=${GRAPH_SLICE:-480}
 SPARSE_ARGS=${SPARSE_ARGS:---users 3 --think 2}
 case " $ROWS " in *" paced"*|*" loop "*|*" frontier "*) PACED_SERVER=${PACED_SERVER:-1} ;; esac
 PACED_SERVER=${PACED_SERVER:-0}  # the paced vLLM server, only when a row needs it
@@ -109,6 +113,10 @@ row() {
       proxy_down 8092 ;;
     slice-auto-45) proxy_up 8099 $STOCK --slicing auto --slice-gap-ms 45 --log-level info \
       && mixed slice-auto-45 http://127.0.0.1:8099; proxy_down 8099 ;;
+    slice-pipe) proxy_up 8089 $STOCK --slicing auto --slice-inflight 2 --log-level info \
+      && mixed slice-pipe http://127.0.0.1:8089; proxy_down 8089 ;;
+    slice-graph) proxy_up 8088 $STOCK --slicing auto --slice-inflight 2 --min-slice-tokens $GRAPH_SLICE \
+      --max-slice-tokens $GRAPH_SLICE --log-level info && mixed slice-graph http://127.0.0.1:8088; proxy_down 8088 ;;
     slice-idle) proxy_up 8095 $STOCK --slicing auto --slice-when-idle && mixed slice-idle http://127.0.0.1:8095
       proxy_down 8095 ;;
     sparse-auto) proxy_up 8096 $STOCK --slicing auto && mixed sparse-auto http://127.0.0.1:8096 $SPARSE_ARGS
