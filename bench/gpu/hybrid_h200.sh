@@ -13,6 +13,12 @@
 #   PHASE=c  (one call) :8001 2048 + prefix caching + the paced scheduler; :8002 2048, no
 #            prefix caching; rows: both direct, then on :8001 holding, slicing, pacing cap 1568
 #            and adaptive 60 ms
+#   PHASE=mixed  steady load (`bench mixed`, MIXED_ARGS: 8 users, a 20,000-token prompt every
+#            ~10 s) on :8001 2048 and :8002 1568 (the align floor), prefix caching on both;
+#            ROWS of: direct-2048 direct-1568 hold slice-auto slice-on (proxies -> :8001) and
+#            clients (`vllm bench serve`, bench/clients/run.sh, against :8001 direct and
+#            through holding and slicing). The servers stay up between calls of a warm machine
+#            (results accumulate in WORK), so the rows can be split over calls.
 # Every server: fp8 KV cache (the report's align block of 1568 tokens on one GPU: see
 # hybrid_model.py), --language-model-only, --enable-prompt-tokens-details, --max-num-seqs 64
 # (its 1,024 default exceeds the recurrent-state blocks of a 10 GiB cache: vLLM refuses), and
@@ -30,7 +36,10 @@ RUNS=${RUNS:-1}
 TIME_SCALE=${TIME_SCALE:-1}
 WAIT=30
 RES=$OUT/$PHASE
-mkdir -p "$RES"
+[ "$PHASE" = mixed ] && RES=${WORK:-$OUT}/mixed
+mkdir -p "$RES" "$OUT"
+DURATION=${DURATION:-90} BASELINE=${BASELINE:-15} SEED=${SEED:-0}
+MIXED_ARGS=${MIXED_ARGS:---users 8 --long-every 10}
 PROXY_LOG_LEVEL=info  # the proxy logs what slicing did
 source bench/gpu/lib.sh
 COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
@@ -60,7 +69,22 @@ two_direct() {  # budget budget: :8001 and :8002 with prefix caching at those bu
   bench "direct-$2" http://127.0.0.1:8002
 }
 
-trap cleanup EXIT
+mixed_row() {  # one PHASE=mixed row
+  case $1 in
+    direct-2048) bench_mixed direct-2048 http://127.0.0.1:8001 $MIXED_ARGS ;;
+    direct-1568) bench_mixed direct-1568 http://127.0.0.1:8002 $MIXED_ARGS ;;
+    hold) proxy_up 8090 8001 && bench_mixed hold-2048 http://127.0.0.1:8090 $MIXED_ARGS; proxy_down 8090 ;;
+    slice-auto) proxy_up 8092 8001 --slicing auto && bench_mixed slice-auto-2048 http://127.0.0.1:8092 $MIXED_ARGS
+      proxy_down 8092 ;;
+    slice-on) proxy_up 8091 8001 --slicing on && bench_mixed slice-on-2048 http://127.0.0.1:8091 $MIXED_ARGS
+      proxy_down 8091 ;;
+    clients) UPSTREAM=http://127.0.0.1:8001 MODEL_NAME=m TOKENIZER=$MODEL RATE=${CLIENT_RATE:-3} \
+      LONG_RATE=${CLIENT_LONG_RATE:-0.1} DURATION=${CLIENT_DURATION:-60} GOODPUT="ttft:500 tpot:30" bash bench/clients/run.sh "$RES/clients" ;;
+    *) say "unknown row $1" ;;
+  esac
+}
+
+[ "$PHASE" = mixed ] || trap cleanup EXIT  # the mixed phase's servers outlive the call
 gpu_info
 case $PHASE in
   a)
@@ -92,9 +116,18 @@ case $PHASE in
     pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=60 PREFILL_GATE_PACING_CAP_TOKENS=1568
     bench paced-adaptive-60 http://127.0.0.1:8001
     grep -h "prefill-gate pacing" "$RES/server-s8001.log" | tail -20 > "$RES/pacing-decisions.log" ;;
-  *) say "PHASE must be a, b or c"; exit 2 ;;
+  mixed)
+    if ! curl -sf http://127.0.0.1:8001/health >/dev/null 2>&1; then
+      start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048
+      sleep 15
+      start_server s8002 8002 "${COMMON[@]}" $CACHE --max-num-batched-tokens 1568
+      servers_up || exit 1
+    fi
+    for r in ${ROWS:-direct-2048 direct-1568 hold slice-auto slice-on}; do mixed_row "$r"; done
+    mixed_report "$OUT" ;;
+  *) say "PHASE must be a, b, c or mixed"; exit 2 ;;
 esac
 for s in s8001 s8002 s8003; do tail -c 300000 "$RES/server-$s.log" > "$RES/server-$s-tail.log" 2>/dev/null; done
 : # the tables are in $RES/bench.log
-(cd "$OUT" && tar czf "hybrid-$PHASE.tar.gz" --exclude='server-s800?.log' "$PHASE")
+tar czf "$OUT/hybrid-$PHASE.tar.gz" -C "$(dirname "$RES")" --exclude="server-s800?.log" "$PHASE"
 say "done"

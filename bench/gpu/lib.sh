@@ -79,3 +79,23 @@ gpu_info() {
     || echo "none (dry run)" > "$RES/gpu.txt"
   say "gpu: $(cat "$RES/gpu.txt")"
 }
+
+bench_mixed() {  # label url [bench mixed args...]: steady load on SEED's schedule for DURATION s after
+                 # BASELINE s of the users alone; RES/mixed-LABEL.json
+  local label=$1 url=$2; shift 2
+  say "bench mixed $label -> $url $*"
+  python3 -m proxy bench mixed --base-url "$url" --label "$label" --model m --seed "${SEED:-0}" \
+    --duration "$DURATION" --baseline-duration "$BASELINE" --time-scale "${TIME_SCALE:-1}" \
+    --json "$RES/mixed-$label.json" "$@" 2>&1 | grep -v '^\[mixed\]' | tee -a "$RES/bench.log"
+}
+
+mixed_report() {  # dir: every RES/mixed-*.json but the sparse rows merged into DIR/mixed.json, .png, -table.txt
+  local main sparse
+  main=$(ls "$RES"/mixed-*.json 2>/dev/null | grep -v '/mixed-sparse-' | sort)
+  sparse=$(ls "$RES"/mixed-sparse-*.json 2>/dev/null | sort)
+  [ -n "$main" ] && python3 -m proxy bench mixed-report $main --json "$1/mixed.json" --plot "$1/mixed.png" \
+    > "$1/mixed-table.txt" 2>&1
+  [ -n "$sparse" ] && python3 -m proxy bench mixed-report $sparse --json "$1/mixed-sparse.json" \
+    > "$1/mixed-sparse-table.txt" 2>&1
+  cat "$1"/mixed*-table.txt 2>/dev/null
+}

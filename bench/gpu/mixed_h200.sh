@@ -96,33 +96,25 @@ short_first() {  # on|off: the paced vLLM server's short-first rule, through its
   sleep 1
 }
 
-mixed() {  # label url [bench mixed args...]
-  local label=$1 url=$2; shift 2
-  say "bench mixed $label -> $url $*"
-  python3 -m proxy bench mixed --base-url "$url" --label "$label" --model m --seed "$SEED" --duration "$DURATION" \
-    --baseline-duration "$BASELINE" --time-scale "$TIME_SCALE" --json "$RES/mixed-$label.json" "$@" 2>&1 \
-    | grep -v '^\[mixed\]' | tee -a "$RES/bench.log"
-}
-
 row() {
   case $1 in
-    direct) mixed direct http://127.0.0.1:$STOCK ;;
-    hold) proxy_up 8090 $STOCK && mixed hold http://127.0.0.1:8090; proxy_down 8090 ;;
-    slice-on) proxy_up 8091 $STOCK --slicing on && mixed slice-on http://127.0.0.1:8091; proxy_down 8091 ;;
-    slice-auto) proxy_up 8092 $STOCK --slicing auto --log-level info && mixed slice-auto http://127.0.0.1:8092
+    direct) bench_mixed direct http://127.0.0.1:$STOCK ;;
+    hold) proxy_up 8090 $STOCK && bench_mixed hold http://127.0.0.1:8090; proxy_down 8090 ;;
+    slice-on) proxy_up 8091 $STOCK --slicing on && bench_mixed slice-on http://127.0.0.1:8091; proxy_down 8091 ;;
+    slice-auto) proxy_up 8092 $STOCK --slicing auto --log-level info && bench_mixed slice-auto http://127.0.0.1:8092
       proxy_down 8092 ;;
     slice-auto-45) proxy_up 8099 $STOCK --slicing auto --slice-gap-ms 45 --log-level info \
-      && mixed slice-auto-45 http://127.0.0.1:8099; proxy_down 8099 ;;
+      && bench_mixed slice-auto-45 http://127.0.0.1:8099; proxy_down 8099 ;;
     slice-pipe) proxy_up 8089 $STOCK --slicing auto --slice-inflight 2 --log-level info \
-      && mixed slice-pipe http://127.0.0.1:8089; proxy_down 8089 ;;
+      && bench_mixed slice-pipe http://127.0.0.1:8089; proxy_down 8089 ;;
     slice-graph) proxy_up 8088 $STOCK --slicing auto --slice-inflight 2 --min-slice-tokens $GRAPH_SLICE \
-      --max-slice-tokens $GRAPH_SLICE --log-level info && mixed slice-graph http://127.0.0.1:8088; proxy_down 8088 ;;
-    slice-idle) proxy_up 8095 $STOCK --slicing auto --slice-when-idle && mixed slice-idle http://127.0.0.1:8095
+      --max-slice-tokens $GRAPH_SLICE --log-level info && bench_mixed slice-graph http://127.0.0.1:8088; proxy_down 8088 ;;
+    slice-idle) proxy_up 8095 $STOCK --slicing auto --slice-when-idle && bench_mixed slice-idle http://127.0.0.1:8095
       proxy_down 8095 ;;
-    sparse-auto) proxy_up 8096 $STOCK --slicing auto && mixed sparse-auto http://127.0.0.1:8096 $SPARSE_ARGS
+    sparse-auto) proxy_up 8096 $STOCK --slicing auto && bench_mixed sparse-auto http://127.0.0.1:8096 $SPARSE_ARGS
       proxy_down 8096 ;;
     sparse-idle) proxy_up 8097 $STOCK --slicing auto --slice-when-idle \
-      && mixed sparse-idle http://127.0.0.1:8097 $SPARSE_ARGS; proxy_down 8097 ;;
+      && bench_mixed sparse-idle http://127.0.0.1:8097 $SPARSE_ARGS; proxy_down 8097 ;;
     pair-auto) proxy_up 8094 $STOCK --slicing auto --log-level info && bench pair-auto http://127.0.0.1:8094
       grep -h "large prefill #" "$RES/proxy-8094.log" > "$RES/pair-auto-choices.log"; proxy_down 8094 ;;
     pair-headline) RUNS=3 bench pair-direct-3 http://127.0.0.1:$STOCK
@@ -132,10 +124,10 @@ row() {
     kernels) say "GPU kernel tests"; TRITON_INTERPRET=0 python3 -m pytest -v -m gpu -rs --noconftest -p no:cacheprovider \
       tests/kernel_tests/test_paged_attention.py > "$RES/kernel-tests.txt" 2>&1; tail -5 "$RES/kernel-tests.txt" ;;
     paced)
-      if [ "${DRY_RUN:-0}" = 1 ]; then mixed paced http://127.0.0.1:$PACED0
-      else short_first off; mixed paced http://127.0.0.1:$PACED; fi ;;
-    paced-short) short_first on; mixed paced-short http://127.0.0.1:$PACED ;;
-    loop) short_first on; proxy_up 8093 $PACED --itl-slo-ms 20 && mixed loop http://127.0.0.1:8093; proxy_down 8093 ;;
+      if [ "${DRY_RUN:-0}" = 1 ]; then bench_mixed paced http://127.0.0.1:$PACED0
+      else short_first off; bench_mixed paced http://127.0.0.1:$PACED; fi ;;
+    paced-short) short_first on; bench_mixed paced-short http://127.0.0.1:$PACED ;;
+    loop) short_first on; proxy_up 8093 $PACED --itl-slo-ms 20 && bench_mixed loop http://127.0.0.1:8093; proxy_down 8093 ;;
     frontier)
       for size in 256 512 1024; do
         proxy_up 8094 $STOCK --slicing on --min-slice-tokens $size --max-slice-tokens $size \
@@ -156,14 +148,7 @@ row() {
 start_servers
 for r in $ROWS; do row "$r"; done
 
-# One comparison per workload: the sparse rows (fewer users) are merged apart.
-main=$(ls "$RES"/mixed-*.json 2>/dev/null | grep -v '/mixed-sparse-' | sort)
-sparse=$(ls "$RES"/mixed-sparse-*.json 2>/dev/null | sort)
-[ -n "$main" ] && python3 -m proxy bench mixed-report $main --json "$OUT/mixed.json" --plot "$OUT/mixed.png" \
-  > "$OUT/mixed-table.txt" 2>&1
-[ -n "$sparse" ] && python3 -m proxy bench mixed-report $sparse --json "$OUT/mixed-sparse.json" \
-  > "$OUT/mixed-sparse-table.txt" 2>&1
-cat "$OUT"/mixed*-table.txt 2>/dev/null
+mixed_report "$OUT"  # the sparse rows (fewer users) are merged apart
 grep -h "prefill-gate pacing" "$RES"/server-paced.log 2>/dev/null | tail -20 > "$RES/pacing-decisions.log"
 tar czf "$OUT/mixed.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
 tail -c 2000000 "$RES"/server-stock.log > "$OUT/server-stock-tail.log" 2>/dev/null
