@@ -102,7 +102,8 @@ def build_state(
     policy = AdmissionPolicy(settings.upstreams, limits)
     predictor = Predictor(settings.upstreams, slice_gap_s=settings.slice_gap_ms / 1000,
                           max_gap_s=settings.max_gap_ms / 1000, min_slice_tokens=settings.min_slice_tokens,
-                          max_slice_tokens=settings.max_slice_tokens, slice_idle=settings.slice_when_idle)
+                          max_slice_tokens=settings.max_slice_tokens, slice_idle=settings.slice_when_idle,
+                          wait_bound_s=settings.max_queue_wait)
     client = UpstreamClient(
         settings.upstreams,
         connect_timeout=settings.connect_timeout,

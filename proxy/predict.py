@@ -17,7 +17,11 @@ admission policy's chooser in ``slicing: auto``:
 Slice when slicing is predicted to finish first and it keeps the gap promise
 (``max_gap_ms``): slices at their smallest size that still saw protected gaps over the
 promise (``PROMISE_BROKEN`` of the last ``PROMISE_WINDOWS``) disqualify slicing there for
-``PROMISE_COOLDOWN_S``. With
+``PROMISE_COOLDOWN_S``, unless holding cannot keep it either: a hold predicted to last past
+the wait bound ends with the prompt prefilled whole beside the streams, every chunk step
+back to back, where the smallest slices stall them one step at a time with decodes between
+(on the H200's align-mode hybrid, one 1,568-token block either way: worst gaps 173 ms sliced,
+262-302 ms whole; docs/RESULTS.md section 14b). With
 ``slice_when_idle``, slice also when nothing protected is live (holding would admit the
 prompt at once, whole, and stall the first tokens of requests arriving meanwhile).
 """
@@ -99,8 +103,10 @@ class _Upstream:
 
 class Predictor:
     def __init__(self, upstreams, *, slice_gap_s: float, max_gap_s: float, min_slice_tokens: int,
-                 max_slice_tokens: int, slice_idle: bool = False, clock: Callable[[], float] = time.monotonic):
+                 max_slice_tokens: int, slice_idle: bool = False, wait_bound_s: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic):
         self.clock = clock
+        self.wait_bound_s = wait_bound_s  # a held prompt is admitted whole after this long
         self.slice_idle = slice_idle  # slice also when nothing protected is live
         self.max_gap_s = max_gap_s
         self._ups = {u: _Upstream(sizer=SliceSizer(slice_gap_s, min_slice_tokens, max_slice_tokens,
@@ -207,15 +213,18 @@ class Predictor:
         now = self.clock()
         alone_s = tokens / up.prefill_rate
         slice_s = tokens / up.slice_rate
-        if now < up.broken_until:
-            return Choice(False, math.nan, math.nan, slice_s, "slicing broke the gap promise here recently")
         if not up.streams:
-            if self.slice_idle:
+            if self.slice_idle and now >= up.broken_until:
                 return Choice(True, 0.0, alone_s, slice_s, "no protected stream live: slicing keeps arrivals fast")
             return Choice(False, 0.0, alone_s, slice_s, "no protected stream live")
         live_end_s = max(self.remaining_tokens(s) for s in up.streams.values()) * up.gap_s
         hold_s = max(live_end_s, self.busy_period_s(upstream))
         finish_hold = hold_s + alone_s
+        if now < up.broken_until:
+            if hold_s < self.wait_bound_s:
+                return Choice(False, hold_s, finish_hold, slice_s, "slicing broke the gap promise here recently")
+            return Choice(True, hold_s, finish_hold, slice_s, "slicing broke the gap promise here recently, but "
+                          "holding would too: past the wait bound the prompt goes whole")
         if slice_s < finish_hold:
             why = "slicing finishes first" if hold_s == live_end_s else \
                 f"streams keep coming (busy ~{hold_s:.1f} s at a stretch): slicing finishes first"

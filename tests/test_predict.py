@@ -114,6 +114,37 @@ def test_an_upstream_where_even_the_smallest_slice_stalls_is_held_for_a_while():
     assert p.choose("u", 20_000).slice
 
 
+def break_promise(p):
+    p.sizer("u").tokens = 256  # at its smallest, three slices over the 50 ms promise
+    for _ in range(3):
+        w = p.window_start("u")
+        p.gap("u", 0.150)
+        p.window_max("u", w)
+
+
+@pytest.mark.parametrize("remaining,slices", [(500, False), (4990, True)])
+def test_a_broken_promise_still_slices_when_holding_would_end_at_the_wait_bound(remaining, slices):
+    """Holding keeps the promise only if the streams end before the bound; past it the
+    prompt goes whole beside them, which stalls them more than the smallest slices do."""
+    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                  wait_bound_s=30.0, clock=Clock())
+    stream(p, 1, max_tokens=10 + remaining, done=10)  # ends in remaining x the decode gap
+    break_promise(p)
+    c = p.choose("u", 20_000)
+    assert "promise" in c.reason
+    assert (c.hold_s > 30) is slices  # the slices' gaps raised the decode gap too: ~18 ms
+    assert c.slice is slices
+    assert ("wait bound" in c.reason) is slices
+
+
+def test_a_broken_promise_with_nothing_live_admits_whole_even_when_slicing_idle():
+    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                  slice_idle=True, wait_bound_s=30.0, clock=Clock())
+    break_promise(p)
+    c = p.choose("u", 20_000)
+    assert not c.slice and c.hold_s == 0
+
+
 def test_measured_rates_replace_the_priors():
     p = predictor()
     stream(p, 1, max_tokens=5000, done=10)
