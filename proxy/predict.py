@@ -226,8 +226,9 @@ class Predictor:
             return Choice(True, hold_s, finish_hold, slice_s, "slicing broke the gap promise here recently, but "
                           "holding would too: past the wait bound the prompt goes whole")
         if slice_s < finish_hold:
+            busy = f"busy ~{hold_s:.1f} s at a stretch" if hold_s < self.wait_bound_s else "busy past the wait bound"
             why = "slicing finishes first" if hold_s == live_end_s else \
-                f"streams keep coming (busy ~{hold_s:.1f} s at a stretch): slicing finishes first"
+                f"streams keep coming ({busy}): slicing finishes first"
             return Choice(True, hold_s, finish_hold, slice_s, why)
         return Choice(False, hold_s, finish_hold, slice_s, "the live streams end first")
 

@@ -57,6 +57,26 @@ def test_steady_new_streams_mean_no_quiet_moment(every, slices):
     (busy ~0.6 s at a stretch: hold)."""
     clock = Clock()
     p = predictor(clock)
+    steady_streams(p, clock, every)
+    c = p.choose("u", 20_000)
+    assert c.slice is slices
+    assert (c.hold_s > 10) is slices
+
+
+def test_a_busy_period_past_the_wait_bound_is_logged_as_such():
+    """Under steady load the busy period is astronomical (e^L x ...): the reason says what
+    matters, not a number of days."""
+    clock = Clock()
+    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
+                  wait_bound_s=10.0, clock=clock)
+    steady_streams(p, clock, 0.1)
+    c = p.choose("u", 20_000)
+    assert c.slice and c.hold_s > 10
+    assert "busy past the wait bound" in c.reason and "busy ~" not in c.reason
+
+
+def steady_streams(p, clock, every):
+    """Streams of 0.5 s, one every ``every`` s, for 8 s; one live at the end."""
     live, key = [], 0
     for tick in range(int(8 / 0.05)):  # 8 s in 50 ms ticks
         for t, k in list(live):
@@ -69,9 +89,6 @@ def test_steady_new_streams_mean_no_quiet_moment(every, slices):
             key += 1
         clock.t += 0.05
     stream(p, key, max_tokens=50, done=45)  # a stream is live when the long prompt arrives
-    c = p.choose("u", 20_000)
-    assert c.slice is slices
-    assert (c.hold_s > 10) is slices
 
 
 def test_remaining_length_comes_from_finished_answers_when_there_is_no_max_tokens():
