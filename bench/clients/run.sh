@@ -13,7 +13,9 @@
 # `prefill-gate bench mixed`: interactive requests (300-token prompts +-50%, 200 tokens out,
 # Poisson RATE/s, default 6) and long prompts (20,000 tokens, 32 out, Poisson LONG_RATE/s,
 # default 0.25), for DURATION s. The interactive client's ITL, TTFT and goodput are what the
-# comparison reads.
+# comparison reads. CLIENT=aiperf makes the interactive client NVIDIA's AIPerf (`aiperf
+# profile`, Poisson arrivals, the same sizes; installed pinned into OUT/aiperf-venv unless
+# AIPERF names its binary: ~1.2 GB); the long prompts stay vLLM's client.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-out/clients}
@@ -23,6 +25,8 @@ LONG_RATE=${LONG_RATE:-0.25}
 GOODPUT=${GOODPUT:-ttft:150 tpot:15}  # the interactive client's --goodput SLOs
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 MODEL_NAME=${MODEL_NAME:-sim}
+CLIENT=${CLIENT:-vllm}
+AIPERF_VERSION=0.13.0
 mkdir -p "$OUT/deps" "$OUT/res"
 OUT=$(cd "$OUT" && pwd)
 "$PY" -c "import partial_json_parser, model_hosting_container_standards, jmespath" 2>/dev/null \
@@ -31,6 +35,11 @@ OUT=$(cd "$OUT" && pwd)
 if [ -z "${TOKENIZER:-}" ]; then
   TOKENIZER=$OUT/tokenizer
   "$PY" bench/clients/make_tokenizer.py "$TOKENIZER"
+fi
+if [ "$CLIENT" = aiperf ] && [ -z "${AIPERF:-}" ]; then
+  AIPERF=$OUT/aiperf-venv/bin/aiperf
+  [ -x "$AIPERF" ] || { python3 -m venv "$OUT/aiperf-venv" \
+    && "$OUT/aiperf-venv/bin/python" -m pip install -q "aiperf==$AIPERF_VERSION" 2>&1 | grep -v "^WARNING" || true; }
 fi
 export PYTHONPATH=$OUT/deps${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 VLLM=("$PY" -m vllm.entrypoints.cli.main)
@@ -60,10 +69,20 @@ for target in "direct $UPSTREAM" "hold http://127.0.0.1:8702" "auto http://127.0
     --random-output-len 32 --num-prompts "$(count "$DURATION" "$LONG_RATE")" --request-rate "$LONG_RATE" \
     --result-filename "long-$label.json" > "$OUT/res/long-$label.txt" 2>&1 &
   long=$!
-  "${VLLM[@]}" bench serve "${common[@]}" --base-url "$url" --random-input-len 300 \
-    --random-range-ratio 0.5 --random-output-len 200 --num-prompts "$(count "$DURATION" "$RATE")" \
-    --request-rate "$RATE" --goodput $GOODPUT --result-filename "interactive-$label.json" \
-    > "$OUT/res/interactive-$label.txt" 2>&1
+  if [ "$CLIENT" = aiperf ]; then  # vLLM's goodput names in AIPerf's terms (TPOT: its per-request ITL)
+    slo=$(echo "$GOODPUT" | sed 's/ttft:/time_to_first_token:/; s/tpot:/inter_token_latency:/')
+    env -u PYTHONPATH "$AIPERF" profile --model "$MODEL_NAME" --url "$url" --endpoint-type chat --streaming \
+      --tokenizer "$TOKENIZER" --request-rate "$RATE" --arrival-pattern poisson \
+      --request-count "$(count "$DURATION" "$RATE")" --prompt-input-tokens-mean 300 --prompt-input-tokens-stddev 75 \
+      --prompt-output-tokens-mean 200 --prompt-output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+      --random-seed 0 --goodput "$slo" --output-artifact-dir "$OUT/res/aiperf-$label" --ui-type none \
+      > "$OUT/res/interactive-$label.txt" 2>&1
+  else
+    "${VLLM[@]}" bench serve "${common[@]}" --base-url "$url" --random-input-len 300 \
+      --random-range-ratio 0.5 --random-output-len 200 --num-prompts "$(count "$DURATION" "$RATE")" \
+      --request-rate "$RATE" --goodput $GOODPUT --result-filename "interactive-$label.json" \
+      > "$OUT/res/interactive-$label.txt" 2>&1
+  fi
   wait "$long"
   curl -s "$url/metrics" > "$OUT/res/metrics-$label.txt" || true
 done

@@ -1,4 +1,5 @@
-"""The table of bench/clients/run.sh: per target, what `vllm bench serve` reported.
+"""The table of bench/clients/run.sh: per target, what `vllm bench serve` (or AIPerf, for the
+interactive client with CLIENT=aiperf) reported.
 
     python3 bench/clients/summary.py RES_DIR --json OUT.json
 """
@@ -17,6 +18,35 @@ KEYS = ("completed", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median
         "p99.9_itl_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile, linear between ranks (numpy's default, as both clients use)."""
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def aiperf_row(run: pathlib.Path) -> dict:
+    """AIPerf's per-request records in vLLM's keys: TTFT, and its inter-chunk latencies (every
+    gap between streamed chunks, what vLLM's client calls ITL); goodput from its summary."""
+    ttfts, gaps, done = [], [], 0
+    for line in (run / "profile_export.jsonl").read_text().splitlines():
+        metrics = json.loads(line).get("metrics", {})
+        if "time_to_first_token" not in metrics:
+            continue  # a failed request: no first token
+        done += 1
+        ttfts.append(metrics["time_to_first_token"]["value"])
+        gaps += metrics.get("inter_chunk_latency", {}).get("value", [])
+    summary = json.loads((run / "profile_export_aiperf.json").read_text())
+    return {"completed": done, "request_goodput": summary.get("goodput", {}).get("avg"),
+            "median_ttft_ms": pct(ttfts, 50), "p99_ttft_ms": pct(ttfts, 99), "median_itl_ms": pct(gaps, 50),
+            "p99_itl_ms": pct(gaps, 99), "p99.9_itl_ms": pct(gaps, 99.9), "max_itl_ms": max(gaps, default=None),
+            "client": f"aiperf {summary.get('aiperf_version')}"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("res", type=pathlib.Path)
@@ -30,6 +60,8 @@ def main(argv=None) -> int:
     rows = []
     for label in ("direct", "hold", "auto"):
         row = {"target": label}
+        if (args.res / f"aiperf-{label}").is_dir():
+            row["interactive"] = aiperf_row(args.res / f"aiperf-{label}")
         for kind in ("interactive", "long"):
             path = args.res / f"{kind}-{label}.json"
             if not path.exists():
