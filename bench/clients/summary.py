@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     stamp = git_state()  # vllm bench serve records no commit: the files say which code they measured
-    for path in args.res.glob("*.json"):
+    for path in [*args.res.glob("*.json"), *args.res.glob("aiperf-*/profile_export_aiperf.json")]:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and "git_commit" not in data:
             path.write_text(json.dumps({**stamp, **data}))
