@@ -220,13 +220,14 @@ class Predictor:
         live_end_s = max(self.remaining_tokens(s) for s in up.streams.values()) * up.gap_s
         hold_s = max(live_end_s, self.busy_period_s(upstream))
         finish_hold = hold_s + alone_s
+        past_bound = hold_s >= self.wait_bound_s  # holding would end with the prompt whole
         if now < up.broken_until:
-            if hold_s < self.wait_bound_s:
+            if not past_bound:
                 return Choice(False, hold_s, finish_hold, slice_s, "slicing broke the gap promise here recently")
             return Choice(True, hold_s, finish_hold, slice_s, "slicing broke the gap promise here recently, but "
                           "holding would too: past the wait bound the prompt goes whole")
         if slice_s < finish_hold:
-            busy = f"busy ~{hold_s:.1f} s at a stretch" if hold_s < self.wait_bound_s else "busy past the wait bound"
+            busy = "busy past the wait bound" if past_bound else f"busy ~{hold_s:.1f} s at a stretch"
             why = "slicing finishes first" if hold_s == live_end_s else \
                 f"streams keep coming ({busy}): slicing finishes first"
             return Choice(True, hold_s, finish_hold, slice_s, why)

@@ -12,9 +12,9 @@ class Clock:
         return self.t
 
 
-def predictor(clock=None):
+def predictor(clock=None, **kw):
     return Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                     clock=clock or Clock())
+                     clock=clock or Clock(), **kw)
 
 
 def stream(p, key, max_tokens, done, model="m"):
@@ -29,8 +29,7 @@ def test_nothing_live_means_admit_whole_not_slice():
 
 
 def test_slice_when_idle_slices_with_nothing_live_too():
-    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                  slice_idle=True, clock=Clock())
+    p = predictor(slice_idle=True)
     c = p.choose("u", 20_000)
     assert c.slice and "arrivals" in c.reason
 
@@ -67,8 +66,7 @@ def test_a_busy_period_past_the_wait_bound_is_logged_as_such():
     """Under steady load the busy period is astronomical (e^L x ...): the reason says what
     matters, not a number of days."""
     clock = Clock()
-    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                  wait_bound_s=10.0, clock=clock)
+    p = predictor(clock, wait_bound_s=10.0)
     steady_streams(p, clock, 0.1)
     c = p.choose("u", 20_000)
     assert c.slice and c.hold_s > 10
@@ -143,8 +141,7 @@ def break_promise(p):
 def test_a_broken_promise_still_slices_when_holding_would_end_at_the_wait_bound(remaining, slices):
     """Holding keeps the promise only if the streams end before the bound; past it the
     prompt goes whole beside them, which stalls them more than the smallest slices do."""
-    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                  wait_bound_s=30.0, clock=Clock())
+    p = predictor(wait_bound_s=30.0)
     stream(p, 1, max_tokens=10 + remaining, done=10)  # ends in remaining x the decode gap
     break_promise(p)
     c = p.choose("u", 20_000)
@@ -155,8 +152,7 @@ def test_a_broken_promise_still_slices_when_holding_would_end_at_the_wait_bound(
 
 
 def test_a_broken_promise_with_nothing_live_admits_whole_even_when_slicing_idle():
-    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                  slice_idle=True, wait_bound_s=30.0, clock=Clock())
+    p = predictor(slice_idle=True, wait_bound_s=30.0)
     break_promise(p)
     c = p.choose("u", 20_000)
     assert not c.slice and c.hold_s == 0
@@ -173,8 +169,7 @@ def test_measured_rates_replace_the_priors():
 
 
 def test_slice_when_idle_keeps_slices_sized_for_the_next_stream():
-    p = Predictor(["u"], slice_gap_s=0.03, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096,
-                  slice_idle=True, clock=Clock())
+    p = predictor(slice_idle=True)
     sizer = p.sizer("u")
     before = sizer.tokens
     sizer.after(None)

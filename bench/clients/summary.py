@@ -12,21 +12,10 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from proxy.bench.report import environment, git_state, table  # noqa: E402
+from proxy.bench.report import environment, git_state, percentile, table  # noqa: E402
 
 KEYS = ("completed", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
         "p99.9_itl_ms", "median_tpot_ms", "p99_tpot_ms")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile, linear between ranks (numpy's default, as both clients use)."""
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 def aiperf_row(run: pathlib.Path) -> dict:
@@ -41,6 +30,10 @@ def aiperf_row(run: pathlib.Path) -> dict:
         ttfts.append(metrics["time_to_first_token"]["value"])
         gaps += metrics.get("inter_chunk_latency", {}).get("value", [])
     summary = json.loads((run / "profile_export_aiperf.json").read_text())
+
+    def pct(values: list[float], q: float) -> float | None:
+        return percentile(values, q) if values else None
+
     return {"completed": done, "request_goodput": summary.get("goodput", {}).get("avg"),
             "median_ttft_ms": pct(ttfts, 50), "p99_ttft_ms": pct(ttfts, 99), "median_itl_ms": pct(gaps, 50),
             "p99_itl_ms": pct(gaps, 99), "p99.9_itl_ms": pct(gaps, 99.9), "max_itl_ms": max(gaps, default=None),
