@@ -291,14 +291,17 @@ class AdmissionPolicy:
         self._admit(ticket, self._pick_least_busy())
         return Decision.ADMITTED
 
-    def observe_itl(self, upstream: str, seconds: float) -> list[Ticket]:
-        """A gap between two chunks of a protected stream on ``upstream`` (closed loop).
-        Returns tickets admitted because the budget grew."""
+    def observe_itl(self, upstream: str, seconds: float, n: int = 1) -> list[Ticket]:
+        """Gaps between chunks of a protected stream on ``upstream`` (closed loop):
+        ``seconds``, then ``n - 1`` of 0 (one read's chunks). Returns tickets admitted
+        because the budget grew."""
         lim = self.limits
         if lim.itl_slo is None:
             return []
         up = self.upstreams[upstream]
         up.gaps.append(seconds)
+        if n > 1:
+            up.gaps.extend([0.0] * (n - 1))
         now = self.clock()
         if now - up.window_start < lim.itl_window or len(up.gaps) < lim.itl_min_samples:
             return []

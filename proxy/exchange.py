@@ -23,6 +23,7 @@ from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
 from .estimate import Estimate, shape_of
+from .fasthttp import body_reader
 from .labels import ErrorKind, OutcomeKind
 from .prefix_memory import prefix_hashes
 from .relay import (
@@ -476,38 +477,45 @@ class GatedExchange(Exchange):
         await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
         await self.end(send, body)
 
-    async def _upstream_events(self, resp: httpx.Response, upstream: str, observer: StreamObserver):
-        """Batches of complete SSE events as they arrive; then the checks of a clean end."""
+    async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle) -> None:
+        """Every read of the upstream's body, cut into complete SSE events, through
+        ``observer`` to ``await handle(events, forward)`` (forward: the bytes the client
+        gets); then the checks of a clean end. The relay's per-chunk path: one await of the
+        upstream connection per read, no generator between it and the client's send."""
         splitter = SSESplitter(self.state.settings.max_upstream_event_bytes)
+        read = body_reader(resp)
         with mapped_errors(upstream):
-            async for raw in resp.aiter_raw():
-                yield splitter.feed(raw)
+            while (raw := await read()) is not None:
+                events = splitter.feed(raw)
+                await handle(events, observer.filter(events))
         rest = splitter.flush()
         if rest:
-            yield [rest]
+            await handle([rest], observer.filter([rest]))
         self.usage = observer.usage
         if not observer.done:
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
     async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
-        observer = self.observer = StreamObserver(self._first_content, self._token_gap,
-                                                  drop_usage=self.req.drop_usage)
+        observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage)
         await self.start(send, 200, response_headers(resp.headers, upstream))
-        async for events in self._upstream_events(resp, upstream, observer):
-            out = observer.filter(events)
+
+        async def forward(events: list[bytes], out: bytes) -> None:
             if out:
-                await send_body(send, out, True)
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+
+        await self._pump(resp, upstream, observer, forward)
         if observer.saw_error:  # relayed as sent, but not a completed answer (nor a length to learn)
             self.outcome.kind = OutcomeKind.UPSTREAM_ERROR
         await self.end(send)
 
     async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
-        observer = self.observer = StreamObserver(self._first_content, self._token_gap)
+        observer = self.observer = StreamObserver(self._first_content, self._tokens)
         assembler = Assembler(self.req.endpoint)
         limit, seen = self.state.settings.max_upstream_body_bytes, 0
-        async for events in self._upstream_events(resp, upstream, observer):
-            observer.filter(events)
+
+        async def assemble(events: list[bytes], out: bytes) -> None:
+            nonlocal seen
             for ev in events:
                 seen += len(ev)
                 if seen > limit:
@@ -518,6 +526,8 @@ class GatedExchange(Exchange):
                     if isinstance(obj, dict) and "error" in obj:
                         raise UpstreamProtocolError(f"upstream {upstream} failed mid-generation: {obj['error']}")
                     assembler.add(obj)
+
+        await self._pump(resp, upstream, observer, assemble)
         body = json.dumps(assembler.response()).encode()
         await self.start(send, 200, [(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())])
@@ -538,12 +548,13 @@ class GatedExchange(Exchange):
                                      lambda: observer.tokens)
         self._ttft.observe(now - req.received_at)
 
-    def _token_gap(self, seconds: float) -> None:
+    def _tokens(self, gap: float, n: int) -> None:
+        """``n`` content chunks in one read, the first ``gap`` seconds after the previous."""
         lease = self.lease
-        self._itl[lease.large_prefill_in_flight()].observe(seconds)
-        lease.token_gap(seconds)
+        self._itl[lease.large_prefill_in_flight()].observe_run(gap, n)
+        lease.token_gap(gap, n)
         if self._feed_predictor:
-            self.state.predictor.gap(lease.upstream, seconds)
+            self.state.predictor.gap(lease.upstream, gap, n)
 
     def finished(self, outcome: Outcome) -> None:
         st, req = self.state, self.req

@@ -43,15 +43,16 @@ class Lease:
         self._gate._wake(admitted)  # the slot it left may start a queued request
         return True
 
-    def token_gap(self, seconds: float) -> None:
-        """A gap between two content chunks of this stream (feeds the closed loop). On the
-        per-chunk path: the gauges are synced only when a window moved the budget."""
+    def token_gap(self, seconds: float, n: int = 1) -> None:
+        """Gaps between content chunks of this stream, ``seconds`` then ``n - 1`` of 0 (one
+        read's chunks; feeds the closed loop). On the per-read path: the gauges are synced
+        only when a window moved the budget."""
         policy = self._gate.policy
         if not self.ticket.protected or policy.limits.itl_slo is None:
             return
         up = policy.upstreams[self.ticket.upstream]
         budget = up.budget_tokens
-        admitted = policy.observe_itl(up.name, seconds)
+        admitted = policy.observe_itl(up.name, seconds, n)
         if admitted or up.budget_tokens != budget:
             self._gate._wake(admitted)
 

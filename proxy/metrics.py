@@ -171,3 +171,11 @@ class _ChunkHistogramChild:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self._bounds, value)] += 1
         self.sum += value
+
+    def observe_run(self, value: float, n: int) -> None:
+        """``n`` observations: ``value``, then ``n - 1`` zeros (one read's chunks: the first
+        after a gap, the rest right behind it)."""
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        if n > 1:
+            self.counts[bisect.bisect_left(self._bounds, 0.0)] += n - 1
+        self.sum += value

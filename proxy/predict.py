@@ -44,6 +44,7 @@ PRIOR_GAP_S = 0.01
 PRIOR_SLICE_TOKENS_PER_S = 12_000.0
 PRIOR_PREFILL_TOKENS_PER_S = 25_000.0
 EWMA = 0.2
+GAP_EWMA = EWMA * 0.1  # the decode gap's average moves slower: a sample per chunk
 LENGTHS_KEPT = 512  # streamed lengths remembered per model
 MIN_LENGTHS = 20  # before this many, a stream's remaining length comes from max_tokens alone
 UNKNOWN_REMAINING = 256  # no max_tokens, no history: assume this many tokens remain
@@ -144,11 +145,14 @@ class Predictor:
         kept.append(streamed)
         self._sorted.pop(stream.model, None)
 
-    def gap(self, upstream: str, seconds: float) -> None:
-        """A gap between two chunks of a protected stream (the per-chunk path: O(1))."""
+    def gap(self, upstream: str, seconds: float, n: int = 1) -> None:
+        """Gaps between chunks of a protected stream: ``seconds``, then ``n - 1`` of 0 (one
+        read's chunks; the per-read path: O(1))."""
         up = self._ups[upstream]
-        up.gaps += 1
-        up.gap_s += EWMA * 0.1 * (seconds - up.gap_s)
+        up.gaps += n
+        up.gap_s += GAP_EWMA * (seconds - up.gap_s)
+        if n > 1:
+            up.gap_s *= (1 - GAP_EWMA) ** (n - 1)
         for w in up.windows:  # none unless a slice runs
             if w.largest is None or seconds > w.largest:
                 w.largest = seconds

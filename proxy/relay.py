@@ -30,6 +30,7 @@ from .errors import (
     UpstreamTimeout,
 )
 from .labels import ErrorKind, OutcomeKind
+from .fasthttp import body_reader
 from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -117,10 +118,15 @@ def is_content(obj: Any) -> bool:
 
 @dataclass
 class StreamObserver:
-    """Watches the events of one stream: first content (-> decoding), ITL, usage, errors."""
+    """Watches the events of one stream: first content (-> decoding), ITL, usage, errors.
+
+    Per read, not per token: ``filter`` takes the events of one upstream read, reads the
+    clock once and reports its content chunks in one call, ``on_tokens(gap, n)``: ``n``
+    chunks arrived now, the first ``gap`` seconds after the stream's previous one and the
+    others right behind it (gaps of 0: that is what the proxy saw of them)."""
 
     on_first_content: Any  # callable() -> None
-    on_token_gap: Any  # callable(seconds) -> None
+    on_tokens: Any  # callable(gap_seconds, n) -> None
     drop_usage: bool = False
     clock: Any = time.monotonic
     first_at: float | None = None
@@ -131,41 +137,42 @@ class StreamObserver:
     tokens: int = 0
 
     def filter(self, events: list[bytes]) -> bytes:
-        """Observe events; return the bytes to forward (all of them but a usage chunk we asked for)."""
-        out = []
-        for ev in events:
-            if self._observe(ev):
-                out.append(ev)
-        return b"".join(out)
-
-    def _observe(self, ev: bytes) -> bool:
-        if ev.startswith(b"data: [DONE]"):
-            self.done = True
-            return True
-        obj = None
-        if b'"usage":{' in ev or b'"usage": {' in ev:
-            obj = event_json(ev)
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                self.usage = obj["usage"]
-                if self.drop_usage and not obj.get("choices"):
-                    return False
+        """Observe one read's events; return the bytes to forward (all of them but a usage
+        chunk we asked for)."""
         now = self.clock()
-        if self.first_at is None:
-            obj = event_json(ev) if obj is None else obj
-            if is_content(obj):
-                self.first_at = self.last_at = now
-                self.tokens = 1
-                self.on_first_content()
-            elif _is_error(obj):
+        dropped: list[int] = []
+        n = 0  # content chunks after the first one
+        for i, ev in enumerate(events):
+            if ev.startswith(b"data: [DONE]"):
+                self.done = True
+                continue
+            obj = None
+            if b'"usage":{' in ev or b'"usage": {' in ev:
+                obj = event_json(ev)
+                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                    self.usage = obj["usage"]
+                    if self.drop_usage and not obj.get("choices"):
+                        dropped.append(i)
+                        continue
+            if self.first_at is None:
+                obj = event_json(ev) if obj is None else obj
+                if is_content(obj):
+                    self.first_at = self.last_at = now
+                    self.tokens = 1
+                    self.on_first_content()
+                elif _is_error(obj):
+                    self.saw_error = True
+            elif b'"error"' in ev and _is_error(event_json(ev)):  # (a cheap test first: the hot path skips it)
                 self.saw_error = True
-            return True
-        if b'"error"' in ev and _is_error(event_json(ev)):  # (a cheap test first: the hot path skips it)
-            self.saw_error = True
-        elif ev.startswith(b"data:") and b'"choices":[]' not in ev:
-            self.tokens += 1
-            self.on_token_gap(now - self.last_at)
+            elif ev.startswith(b"data:") and b'"choices":[]' not in ev:
+                n += 1
+        if n:
+            self.tokens += n
+            self.on_tokens(now - self.last_at, n)
             self.last_at = now
-        return True
+        if dropped:
+            return b"".join(ev for i, ev in enumerate(events) if i not in dropped)
+        return events[0] if len(events) == 1 else b"".join(events)
 
 
 def _is_error(obj: Any) -> bool:
@@ -289,7 +296,8 @@ class Exchange(Response):
 
 async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:
     """Forward a body unchanged, chunk by chunk (passthrough paths)."""
+    read = body_reader(resp)
     with mapped_errors(upstream):
-        async for chunk in resp.aiter_raw():
+        while (chunk := await read()) is not None:
             await send_body(send, chunk, True)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
@@ -21,7 +23,7 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport
+from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport, body_reader
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _CLOSED_STREAM = httpx.ByteStream(b"")
@@ -29,6 +31,26 @@ _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-au
                  "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
 _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "trailer", "upgrade",
                   "proxy-authenticate", "date", "server"}
+
+
+_HTTPX_DEFAULTS = ("accept", "connection", "user-agent")  # (accept-encoding: request_headers sets it)
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._~-]*\Z")  # needs no percent-encoding
+_UNSAFE_HEADER = re.compile(rb"[\r\n\0]")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """An upstream base URL, parsed once: where to connect, its Host header, its path."""
+
+    origin: tuple[str, str, int]
+    host: bytes
+    base: bytes
+
+    @classmethod
+    def of(cls, url: str) -> "_Target":
+        u = httpx.URL(url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        return cls((u.scheme, u.host, port), u.netloc, u.raw_path.rstrip(b"/"))
 
 
 def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client_auth: bool = False) -> dict:
@@ -79,8 +101,9 @@ def mapped_errors(upstream: str):
 async def read_limited(resp: httpx.Response, upstream: str, limit: int) -> bytes:
     """A response body read whole, at most ``limit`` bytes (UpstreamProtocolError beyond)."""
     chunks, size = [], 0
+    read = body_reader(resp)
     with mapped_errors(upstream):
-        async for chunk in resp.aiter_raw():
+        while (chunk := await read()) is not None:
             size += len(chunk)
             if size > limit:
                 raise UpstreamProtocolError(f"upstream {upstream} answered over {limit} bytes "
@@ -112,15 +135,25 @@ class UpstreamClient:
         self.urls = list(urls)
         self.api_key = api_key
         self.drop_client_auth = drop_client_auth
+        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout)
+        self._timeouts = timeout.as_dict()
+        # With our own transport, POSTs to plain paths (the gated endpoints, slices, token
+        # ids) skip httpx's client and go to the transport from their parts (see _post_fast).
+        self._fast = None if transport is not None else FastTransport(
+            max_connections=max_connections, max_head_bytes=max_head_bytes, max_headers=max_headers)
+        self._targets = {u: _Target.of(u) for u in self.urls}
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
-            transport=transport or FastTransport(max_connections=max_connections, max_head_bytes=max_head_bytes,
-                                                 max_headers=max_headers),
+            timeout=timeout,
+            transport=transport or self._fast,
             trust_env=False,
             # One client serves every proxied request: it must not keep an upstream's
             # Set-Cookie and send it along with other clients' requests.
             cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
         )
+        # Upstream gets the client's headers, not httpx's defaults (its User-Agent, Accept,
+        # Connection): the same head either way a request goes.
+        for name in _HTTPX_DEFAULTS:
+            del self._client.headers[name]
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -134,12 +167,16 @@ class UpstreamClient:
         which is how vLLM learns that the client went away."""
         if upstream not in self.urls:
             raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
-        url = upstream + path + (f"?{query}" if query else "")
-        client = self._client
-        req = client.build_request(method, url, headers=request_headers(headers, self.api_key, self.drop_client_auth),
-                                   content=content)
+        out = request_headers(headers, self.api_key, self.drop_client_auth)
         with mapped_errors(upstream):
-            resp = await client.send(req, stream=True)
+            resp = None
+            if self._fast is not None and method == "POST" and not query and _PLAIN_PATH.match(path):
+                resp = await self._post_fast(self._targets[upstream], path, out, content)
+            if resp is None:
+                client = self._client
+                req = client.build_request(method, upstream + path + (f"?{query}" if query else ""), headers=out,
+                                           content=content)
+                resp = await client.send(req, stream=True)
         try:
             yield resp
         finally:
@@ -147,6 +184,20 @@ class UpstreamClient:
             # httpx's response and its bound stream refer to each other: a cycle per request
             # for the cycle collector. Nothing reads the stream after aclose.
             resp.stream = _CLOSED_STREAM
+
+    async def _post_fast(self, target: "_Target", path: str, headers: dict, content: bytes) -> httpx.Response | None:
+        """A POST straight to the transport (None: a header value that only httpx's own
+        checks should see, e.g. a line break in a configured key)."""
+        raw = [(b"host", target.host)]
+        for name, value in headers.items():
+            value = value if isinstance(value, bytes) else value.encode("latin-1", "replace")
+            name = name.encode("latin-1", "replace")
+            if _UNSAFE_HEADER.search(value) or _UNSAFE_HEADER.search(name):
+                return None
+            raw.append((name, value))
+        raw.append((b"content-length", b"%d" % len(content)))
+        return await self._fast.open(b"POST", target.origin, target.base + path.encode("ascii"), raw, content,
+                                     self._timeouts)
 
     async def request_bytes(self, upstream: str, method: str, path: str, content: bytes = b"", *,
                             limit: int, timeout: float) -> tuple[int, bytes]:

@@ -296,3 +296,75 @@ async def test_a_slow_reader_pauses_the_socket(monkeypatch):
             async for data in resp.aiter_raw():
                 total += len(data)
         assert total == len(body)
+
+
+async def test_body_reader_reads_the_connection_directly_or_through_httpx():
+    """The relay's reader: this transport's responses hand it their connection's bytes;
+    any other transport's go through aiter_raw. Both end with None and keep every byte."""
+    parts = [b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"]
+
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE)
+        for p in parts:
+            writer.write(chunk(p))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+
+    async with Server(handler) as srv, client() as c:
+        async with c.stream("POST", srv.url + "/v1/chat/completions", content=b"{}") as resp:
+            assert fasthttp.BODY_READER in resp.extensions
+            read, got = fasthttp.body_reader(resp), []
+            while (data := await read()) is not None:
+                got.append(data)
+            assert b"".join(got) == b"".join(parts) and await read() is None
+
+    class Parts(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for p in parts:
+                yield p
+
+    mock = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, stream=Parts())))
+    async with mock, mock.stream("GET", "http://upstream.test/") as resp:
+        read, got = fasthttp.body_reader(resp), []
+        while (data := await read()) is not None:
+            got.append(data)
+        assert b"".join(got) == b"".join(parts)
+
+
+async def test_the_gated_path_sends_the_same_head_as_httpx():
+    """UpstreamClient sends POSTs to plain paths straight to the transport (no httpx
+    client): the upstream must see the same request line, headers and body as through
+    httpx (a query string takes httpx's path), and no header of httpx's own."""
+    from proxy.upstream import UpstreamClient
+
+    heads = []
+
+    async def handler(reader, writer, srv):
+        while True:
+            heads.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    def parsed(raw: bytes) -> tuple:
+        head, body = raw.split(b"\r\n\r\n", 1)
+        line, *fields = head.split(b"\r\n")
+        return line.replace(b"?a=1", b""), sorted(f.lower() for f in fields), body
+
+    async with Server(handler) as srv:
+        up = UpstreamClient([srv.url], api_key="k")
+        headers = {"content-type": "application/json", "user-agent": "openai/1", "x-custom": "caf\u00e9",
+                   "authorization": "Bearer client", "x-prefill-gate-class": "large", "connection": "keep-alive"}
+        for query in ("", "a=1"):
+            async with up.stream(srv.url, "POST", "/v1/chat/completions", headers, b'{"x":1}', query) as resp:
+                assert resp.status_code == 200 and await resp.aread() == b"ok"
+        await up.aclose()
+    fast, slow = parsed(heads[0]), parsed(heads[1])
+    assert heads[1].startswith(b"POST /v1/chat/completions?a=1 ")
+    assert fast == slow
+    assert fast[0] == b"POST /v1/chat/completions HTTP/1.1" and fast[2] == b'{"x":1}'
+    names = [f.split(b":")[0] for f in fast[1]]
+    assert b"user-agent: openai/1" in fast[1] and b"authorization: bearer k" in fast[1]
+    assert b"x-custom: caf\xe9" in fast[1] and b"accept-encoding: identity" in fast[1]
+    assert b"accept" not in names and b"connection" not in names and b"x-prefill-gate-class" not in names

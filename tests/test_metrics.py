@@ -36,3 +36,20 @@ def test_chunk_histogram_wants_every_label():
     h = ChunkHistogram("x_seconds", "x", ["a", "b"], buckets=(1.0,), registry=CollectorRegistry())
     with pytest.raises(ValueError, match="2 label values"):
         h.labels("only-one")
+
+
+def test_a_run_of_chunks_counts_as_its_observations():
+    """observe_run(v, n), one read's chunks, exports what observe(v) and n - 1 observe(0)
+    would: the per-chunk count and sum the metric promises."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    args = ("x_seconds", "x", ["a"])
+    one = ChunkHistogram(*args, buckets=_LATENCY, registry=ours).labels("v")
+    each = ChunkHistogram(*args, buckets=_LATENCY, registry=theirs).labels("v")
+    rng = random.Random(3)
+    for _ in range(500):
+        gap, n = rng.expovariate(50.0), rng.choice([1, 1, 2, 5, 40])
+        one.observe_run(gap, n)
+        each.observe(gap)
+        for _ in range(n - 1):
+            each.observe(0.0)
+    assert generate_latest(ours) == generate_latest(theirs)

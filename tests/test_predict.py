@@ -175,3 +175,15 @@ def test_slice_when_idle_keeps_slices_sized_for_the_next_stream():
     sizer.after(None)
     assert sizer.tokens == before
     assert not predictor().sizer("u").hold_unwatched  # without it, unwatched slices grow
+
+
+def test_one_reads_gaps_count_as_single_gaps():
+    """gap(u, s, n): s then n - 1 gaps of 0, as n calls would record them."""
+    batched, single = predictor(), predictor()
+    for gap, n in [(0.010, 1), (0.030, 4), (0.012, 2), (0.200, 1)]:
+        batched.gap("u", gap, n)
+        single.gap("u", gap)
+        for _ in range(n - 1):
+            single.gap("u", 0.0)
+    assert batched.gaps_seen("u") == single.gaps_seen("u") == 8
+    assert batched._ups["u"].gap_s == pytest.approx(single._ups["u"].gap_s, rel=1e-12)

@@ -45,26 +45,27 @@ def test_is_content():
 def test_observer_phases_gaps_usage_and_dropping():
     now = [0.0]
     firsts, gaps = [], []
-    obs = StreamObserver(lambda: firsts.append(now[0]), gaps.append, drop_usage=True, clock=lambda: now[0])
+    obs = StreamObserver(lambda: firsts.append(now[0]), lambda gap, n: gaps.append((gap, n)), drop_usage=True,
+                         clock=lambda: now[0])
     usage = {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2}}
     out = obs.filter([ev(chunk("", role="assistant"))])
     now[0] = 1.0
     out += obs.filter([ev(chunk("a"))])
     now[0] = 1.25
     out += obs.filter([ev(chunk("b")), ev(usage), b"data: [DONE]\n\n"])
-    assert firsts == [1.0] and gaps == [0.25]
+    assert firsts == [1.0] and gaps == [(0.25, 1)]
     assert obs.usage["prompt_tokens"] == 12 and obs.done and obs.tokens == 2
     assert b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
 
 
 def test_observer_forwards_usage_the_client_asked_for():
-    obs = StreamObserver(lambda: None, lambda s: None, drop_usage=False)
+    obs = StreamObserver(lambda: None, lambda gap, n: None, drop_usage=False)
     usage = {"choices": [], "usage": {"prompt_tokens": 3}}
     assert obs.filter([ev(usage)]) == ev(usage)
 
 
 def test_observer_sees_in_stream_errors():
-    obs = StreamObserver(lambda: None, lambda s: None)
+    obs = StreamObserver(lambda: None, lambda gap, n: None)
     obs.filter([ev({"error": {"message": "boom"}})])
     assert obs.saw_error and obs.first_at is None
 
@@ -143,3 +144,20 @@ async def test_finished_streams_leave_no_reference_cycles(fake):
             gc.set_debug(0)
             gc.garbage.clear()
     assert cyclic == []
+
+
+def test_observer_reports_one_reads_chunks_in_one_call():
+    """Per read, not per token: the chunks of one read are one call, the first after the
+    gap since the previous read, the rest right behind it."""
+    now = [0.0]
+    calls = []
+    obs = StreamObserver(lambda: None, lambda gap, n: calls.append((gap, n)), clock=lambda: now[0])
+    obs.filter([ev(chunk("a"))])
+    now[0] = 0.5
+    obs.filter([ev(chunk("b")), ev(chunk("c")), ev(chunk("d"))])
+    now[0] = 0.75
+    obs.filter([ev({"choices": [], "usage": {"prompt_tokens": 1}}), b"data: [DONE]\n\n"])  # no content
+    assert calls == [(0.5, 3)] and obs.tokens == 4 and obs.done
+    first = StreamObserver(lambda: None, lambda gap, n: calls.append((gap, n)), clock=lambda: now[0])
+    first.filter([ev(chunk("x")), ev(chunk("y"))])  # the first content and one more in one read
+    assert calls[-1] == (0.0, 1) and first.tokens == 2
