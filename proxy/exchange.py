@@ -23,7 +23,8 @@ from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler, convertible
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
 from .estimate import Estimate, shape_of
-from .fasthttp import body_reader
+from .fasthttp import body_reader, body_sink
+from .listener import ChunkWriter, chunk_writer
 from .labels import ErrorKind, OutcomeKind
 from .prefix_memory import prefix_hashes
 from .relay import (
@@ -477,13 +478,28 @@ class GatedExchange(Exchange):
         await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
         await self.end(send, body)
 
-    async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle) -> None:
+    async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle,
+                    writer: ChunkWriter | None = None) -> None:
         """Every read of the upstream's body, cut into complete SSE events, through
         ``observer`` to ``await handle(events, forward)`` (forward: the bytes the client
-        gets); then the checks of a clean end. The relay's per-chunk path: one await of the
-        upstream connection per read, no generator between it and the client's send."""
+        gets); then the checks of a clean end.
+
+        The per-chunk path: with a ``writer`` (the client's socket, when nothing stands in
+        the way of writing to it), bytes that arrive while this task waits are relayed in
+        the upstream connection's read callback, the task never woken; otherwise (the client
+        stopped reading, or no writer) one await of the upstream per read, then ``handle``."""
         splitter = SSESplitter(self.state.settings.max_upstream_event_bytes)
         read = body_reader(resp)
+        if writer is not None:
+            def direct(data: bytes) -> bool:
+                if not writer.ready():
+                    return False
+                out = observer.filter(splitter.feed(data))
+                if out:
+                    writer.write(out)
+                return True
+
+            body_sink(resp, direct)
         with mapped_errors(upstream):
             while (raw := await read()) is not None:
                 events = splitter.feed(raw)
@@ -503,7 +519,7 @@ class GatedExchange(Exchange):
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
 
-        await self._pump(resp, upstream, observer, forward)
+        await self._pump(resp, upstream, observer, forward, chunk_writer(send))
         if observer.saw_error:  # relayed as sent, but not a completed answer (nor a length to learn)
             self.outcome.kind = OutcomeKind.UPSTREAM_ERROR
         await self.end(send)

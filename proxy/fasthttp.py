@@ -42,6 +42,7 @@ MAX_HEAD_BYTES = 64 * 1024  # defaults: a response head (status line and headers
 MAX_HEADERS = 128
 MAX_INTERIM = 8  # 1xx answers before the real one
 BODY_READER = "prefill_gate.body_reader"  # a response extension: its body's read() (see body_reader)
+BODY_SINK = "prefill_gate.body_sink"  # a response extension: hand body bytes to a callback (see body_sink)
 
 
 def body_reader(resp: httpx.Response):
@@ -63,6 +64,19 @@ def body_reader(resp: httpx.Response):
     return read_raw
 
 
+def body_sink(resp: httpx.Response, sink) -> bool:
+    """Have ``sink(data) -> bool`` take the body's bytes in the connection's read callback,
+    while the reader is parked in ``read()`` with nothing queued (so bytes keep their order):
+    the relay's per-chunk path without a task switch. ``sink`` answers False to leave the
+    bytes queued for ``read()`` (it could not take them now); an exception it raises ends
+    the body with that error at ``read()``. False: the response is not this transport's."""
+    set_sink = resp.extensions.get(BODY_SINK)
+    if set_sink is None:
+        return False
+    set_sink(sink)
+    return True
+
+
 class _Closed(Exception):
     """The server closed the connection before the response head (retryable if reused)."""
 
@@ -81,6 +95,7 @@ class _Connection(asyncio.Protocol):
         self.in_use = True  # False while pooled: bytes arriving then are nobody's answer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the read deadline's check (see wait)
+        self._wait_timeout: float | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -99,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future | None = None
+        self.sink = None  # callable(bytes) -> bool: see body_sink
         self._deadline = 0.0  # of the current wait (loop time)
 
     # ---------------------------------------------------------- asyncio.Protocol
@@ -124,6 +140,9 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError("upstream tried to upgrade the connection"))
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed HTTP from upstream: {exc}"))
+        if self.sink is not None and self.chunks and self.error is None and self.waiter is not None \
+                and not self.waiter.done() and not self._to_sink():
+            return  # taken in this callback; the reader waits on
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
@@ -143,6 +162,26 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self):
         return False  # close our side too
+
+    def _to_sink(self) -> bool:
+        """Offer what arrived to the sink (the reader is parked, nothing else queued). True:
+        the reader must wake (bytes left for it, the body's end, or an error)."""
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        try:
+            taken = self.sink(data)
+        except Exception as exc:  # the reader raises it; the connection is not reused
+            self.sink = None
+            self.chunks.clear()
+            self.buffered = 0
+            self._fail(exc)
+            return True
+        if not taken:
+            return True
+        self.chunks.clear()
+        self.buffered = 0
+        if self._timer is not None:  # bytes came: the read deadline moves, as a read() would move it
+            self._deadline = self._loop.time() + self._wait_timeout
+        return self.complete
 
     # --------------------------------------------------------- httptools callbacks
     def on_message_begin(self) -> None:
@@ -204,6 +243,7 @@ class _Connection(asyncio.Protocol):
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         self.waiter = fut = loop.create_future()
+        self._wait_timeout = timeout
         if timeout is not None:
             self._deadline = loop.time() + timeout
             if self._timer is None:
@@ -275,11 +315,16 @@ class _ResponseStream(httpx.AsyncByteStream):
         while (data := await self.read()) is not None:
             yield data
 
+    def set_sink(self, sink) -> None:
+        if not self._released:
+            self._conn.sink = sink
+
     async def aclose(self) -> None:
         if self._released:
             return
         self._released = True
         conn = self._conn
+        conn.sink = None  # a pooled connection keeps nothing of its last request
         if self._done and conn.reusable():
             self._pool._give_back(conn)
         else:  # unread body: closing the connection is the abort signal upstream
@@ -360,7 +405,8 @@ class FastTransport(httpx.AsyncBaseTransport):
         no_body = method == b"HEAD" or conn.status in (204, 304)
         stream = _ResponseStream(self, conn, read_timeout, no_body)
         return httpx.Response(conn.status, headers=conn.headers, stream=stream,
-                              extensions={"http_version": b"HTTP/1.1", BODY_READER: stream.read})
+                              extensions={"http_version": b"HTTP/1.1", BODY_READER: stream.read,
+                                          BODY_SINK: stream.set_sink})
 
     async def _checkout(self, origin: tuple, connect_timeout: float | None) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)

@@ -9,6 +9,9 @@ first byte after the previous answer, and answers 408 and closes the connection 
 passes. The body is not under that deadline (a large upload may take its time; the
 request's own bounds apply to it). A chunked body's trailer fields never join the request's
 headers.
+
+``chunk_writer`` lets the relay write a streamed answer's parts from the upstream's read
+callback, without waking the request's task (see ``proxy.relay``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,47 @@ class HeadDeadline:
             log.debug("closing a client connection whose request head took over %g s", self.header_timeout)
             self.transport.write(_408)
             self.transport.close()
+
+
+class ChunkWriter:
+    """Writes the body parts of a chunked answer straight to the client's socket, from a
+    callback: exactly what uvicorn's httptools ``send`` writes for an ``http.response.body``
+    message with ``more_body`` (``tests/test_listener.py`` holds the two byte for byte), for
+    as long as that is all it would do. ``ready()`` is False when ``send`` has more to do:
+    the client stopped reading (flow control), went away, the answer is complete, or it is
+    not chunked; the caller then goes through ``send``."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        c = self._cycle
+        return (c.response_started and c.chunked_encoding is True and not c.response_complete
+                and not c.disconnected and not c.flow.write_paused)
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+
+
+_CYCLE_FIELDS = ("response_started", "chunked_encoding", "response_complete", "disconnected", "flow", "transport",
+                 "scope")
+
+
+def chunk_writer(send: Any) -> ChunkWriter | None:
+    """A ChunkWriter for ``send`` when it is uvicorn's httptools ``send`` of a POST; None
+    for anything else (uvicorn's h11 protocol, other servers, the tests' in-memory ASGI
+    transport), which keeps to ``send``."""
+    cycle = getattr(send, "__self__", None)
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError:
+        return None
+    if type(cycle) is not RequestResponseCycle or not all(hasattr(cycle, f) for f in _CYCLE_FIELDS) \
+            or cycle.scope.get("method") != "POST":
+        return None
+    return ChunkWriter(cycle)
 
 
 def _protocol_class(header_timeout: float) -> type:

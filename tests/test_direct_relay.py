@@ -1,0 +1,166 @@
+"""The relay's direct path: body bytes written to the client from the upstream's read
+callback (``proxy.listener.ChunkWriter``, ``proxy.fasthttp.body_sink``), with real sockets
+on both sides (uvicorn's httptools listener, the proxy's own transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from conftest import make_state, serve
+from proxy import listener
+from proxy.app import create_app
+from proxy.listener import chunk_writer
+
+HEAD_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def sse(i: int, pad: int = 0) -> bytes:
+    body = {"choices": [{"index": 0, "delta": {"content": f"t{i}" + "x" * pad}}]}
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (head included in ``raw``)."""
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding: chunked" in head.lower()
+    out = bytearray()
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(out)
+        out += rest[:size]
+        assert rest[size:size + 2] == b"\r\n"
+        rest = rest[size + 2:]
+
+
+async def post_raw(url: str, path: str, body: bytes, *, pause_s: float = 0.0) -> bytes:
+    """POST over a raw socket and read the answer to its end (after ``pause_s`` seconds
+    of not reading: the proxy's writes back up)."""
+    host, port = url.split("//", 1)[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                 b"connection: close\r\n\r\n%s" % (path.encode(), len(body), body))
+    await writer.drain()
+    if pause_s:
+        await asyncio.sleep(pause_s)
+    raw = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    return raw
+
+
+async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
+    """Byte for byte, a body part through ChunkWriter and through send frame alike; for a
+    GET (and for any send that is not uvicorn's httptools cycle) there is no writer."""
+    seen = {}
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen[scope["method"]] = writer = chunk_writer(send)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        if writer is not None:
+            assert writer.ready()
+            writer.write(b"hello")
+        await send({"type": "http.response.body", "body": b"hello", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if writer is not None:
+            assert not writer.ready()  # complete: only send may end it
+
+    async with serve(app) as url:
+        raw = await post_raw(url, "/", b"{}")
+    assert raw.endswith(b"\r\n\r\n5\r\nhello\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert isinstance(seen["POST"], listener.ChunkWriter)
+
+    async def no_writer(message):
+        pass
+
+    assert chunk_writer(no_writer) is None
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """Counts the relay's direct writes."""
+    count = {"n": 0}
+    original = listener.ChunkWriter.write
+
+    def counted(self, body):
+        count["n"] += 1
+        original(self, body)
+
+    monkeypatch.setattr(listener.ChunkWriter, "write", counted)
+    return count
+
+
+async def sse_upstream(events: list[bytes], cuts: random.Random, gap_s: float = 0.0):
+    """A raw upstream: answers every request with ``events`` as SSE, the bytes cut at
+    random places into chunks of the chunked encoding. Yields (url, the bytes it sent)."""
+    stream = b"".join(events)
+    closed = asyncio.Event()
+
+    async def handle(reader, writer):
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(HEAD_SSE)
+            pos = 0
+            while pos < len(stream):
+                n = cuts.randint(1, 400)
+                writer.write(b"%x\r\n%s\r\n" % (len(stream[pos:pos + n]), stream[pos:pos + n]))
+                pos += n
+                await writer.drain()
+                if gap_s:
+                    await asyncio.sleep(gap_s)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # until the proxy closes or pools the connection
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            closed.set()
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", stream, closed
+
+
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                   "stream_options": {"include_usage": True}}).encode()
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+async def test_the_direct_relay_is_byte_exact_with_and_without_backpressure(writes, pause_s):
+    """Events cut anywhere by the upstream reach the client as sent, in order: written from
+    the read callback while the client keeps up, through send (and its flow control) when
+    it stops reading (0.5 s of ~3 MB backs up the socket) and back again."""
+    events = [sse(i, pad=random.Random(i).randint(0, 300)) for i in range(12_000 if pause_s else 2_000)]
+    events.append(b"data: [DONE]\n\n")
+    server, url, stream, _ = await sse_upstream(events, random.Random(5))
+    state = make_state(upstreams=[url])
+    async with server, serve(create_app(state, health_checks=False)) as proxy:
+        raw = await post_raw(proxy, "/v1/chat/completions", CHAT, pause_s=pause_s)
+    assert raw.startswith(b"HTTP/1.1 200")
+    assert dechunk(raw) == stream
+    assert writes["n"] > 0  # the direct path carried bytes
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_upstream_on_the_direct_path(writes):
+    """vLLM learns that the client left (its connection closes) while bytes flow through
+    the read callback, with no task reading."""
+    events = [sse(i) for i in range(100_000)] + [b"data: [DONE]\n\n"]
+    server, url, _, closed = await sse_upstream(events, random.Random(1), gap_s=0.002)
+    state = make_state(upstreams=[url])
+    async with server, serve(create_app(state, health_checks=False)) as proxy:
+        host, port = proxy.split("//", 1)[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        got = b""
+        while got.count(b"data:") < 50:
+            got += await asyncio.wait_for(reader.read(65536), 10)
+        assert writes["n"] > 0
+        writer.close()
+        await asyncio.wait_for(closed.wait(), 10)
