@@ -368,3 +368,31 @@ async def test_the_gated_path_sends_the_same_head_as_httpx():
     assert b"user-agent: openai/1" in fast[1] and b"authorization: bearer k" in fast[1]
     assert b"x-custom: caf\xe9" in fast[1] and b"accept-encoding: identity" in fast[1]
     assert b"accept" not in names and b"connection" not in names and b"x-prefill-gate-class" not in names
+
+
+async def test_bytes_taken_by_a_sink_move_the_read_deadline():
+    """With a sink taking the bytes in the read callback, the reader stays parked: each
+    delivery still counts as progress (a stream that flows longer than the read timeout
+    lives), and silence past it is still a ReadTimeout at read()."""
+
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(HEAD_SSE)
+        for i in range(10):  # 1 s of chunks every 0.1 s, under a 0.3 s read timeout
+            writer.write(chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await srv.event("done").wait()  # then silence
+
+    async with Server(handler) as srv, client(read=0.3) as c:
+        async with c.stream("POST", srv.url + "/", content=b"{}") as resp:
+            taken = []
+            assert fasthttp.body_sink(resp, lambda data: taken.append(data) or True)
+            read = fasthttp.body_reader(resp)
+            with pytest.raises(httpx.ReadTimeout):
+                got = []
+                while (data := await read()) is not None:
+                    got.append(data)
+            assert b"".join(got + taken) == b"".join(b"data: %d\n\n" % i for i in range(10))
+            assert len(taken) >= 8  # all but what arrived before the reader first parked
+        srv.event("done").set()
