@@ -118,6 +118,17 @@ def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containe
     return body
 
 
+def with_member(raw: bytes, member: bytes) -> bytes | None:
+    """``raw``, a JSON object in UTF-8 known to lack ``member``'s key, with ``member``
+    appended: the client's bytes otherwise as they came (no re-encoding of a long prompt).
+    None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
+    body = raw.strip(b" \t\r\n")
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        return None
+    inner = body[:-1].rstrip(b" \t\r\n")
+    return inner + (b"" if inner == b"{" else b",") + member + b"}"
+
+
 def _deeper_than(value: dict | list, limit: int) -> bool:
     """Whether containers nest more than ``limit`` deep (level by level, no recursion)."""
     level, depth = [value], 0
@@ -225,8 +236,11 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
         body["stream_options"] = {"include_usage": True}
         raw = json.dumps(body).encode()
     elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        raw = json.dumps(body).encode()
+        appended = None if "stream_options" in body else with_member(raw, b'"stream_options":{"include_usage":true}')
+        if appended is None:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            appended = json.dumps(body).encode()
+        raw = appended
         drop_usage = True
     slice_payload = token_ids = None
     if cls is RequestClass.LARGE and state.settings.slicing != Slicing.OFF:
@@ -258,7 +272,7 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
     state.metrics.cached_tokens.observe(estimate.cached)
     prefix_tokens = state.estimator.message_tokens(body["messages"], model) if prefixes else None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return GatedRequest(endpoint, request.url.path, dict(request.headers), raw, model, streaming, drop_usage,
+    return GatedRequest(endpoint, request.scope["path"], dict(request.headers), raw, model, streaming, drop_usage,
                         estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
                         max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt, token_ids)
 

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import AsyncIterator
 
 from .admission import AdmissionPolicy, Decision, Phase, Ticket
 from .errors import QueueFull, QueueTimeout
 from .labels import AdmissionLabel
 from .metrics import Metrics
+
+
+def _field(policy: AdmissionPolicy, upstream: str, name: str) -> float:
+    return getattr(policy.upstreams[upstream], name)
 
 
 class Lease:
@@ -45,8 +50,8 @@ class Lease:
 
     def token_gap(self, seconds: float, n: int = 1) -> None:
         """Gaps between content chunks of this stream, ``seconds`` then ``n - 1`` of 0 (one
-        read's chunks; feeds the closed loop). On the per-read path: the gauges are synced
-        only when a window moved the budget."""
+        read's chunks; feeds the closed loop). On the per-read path: the gate wakes only
+        when a window moved the budget."""
         policy = self._gate.policy
         if not self.ticket.protected or policy.limits.itl_slo is None:
             return
@@ -87,6 +92,13 @@ class Gate:
         self.metrics = metrics
         self._waiters: dict[int, asyncio.Future] = {}
         self._settle_waiters: dict[str, list[asyncio.Future]] = {}  # prefills_settled()
+        if metrics is not None:  # the policy's counters, read when scraped (not copied per transition)
+            metrics.queue_depth.set_function(lambda: policy.queue_depth)
+            for name in policy.upstreams:
+                for gauge, field in ((metrics.live_decodes, "live_decodes"), (metrics.large_in_flight, "large_in_flight"),
+                                     (metrics.prefill_tokens, "prefill_tokens"),
+                                     (metrics.budget_tokens, "budget_tokens")):
+                    gauge.labels(name).set_function(functools.partial(_field, policy, name, field))
 
     def waiting(self, ticket: Ticket) -> tuple[int, float] | None:
         """(place in the queue, seconds until its wait bound) while queued; else None."""
@@ -185,19 +197,9 @@ class Gate:
 
     def _sync(self) -> None:
         """After every transition: wake the slicers waiting for their upstream's prefills
-        to settle, and copy the policy's counters into the gauges (a handful of upstreams:
-        cheap)."""
+        to settle."""
         for name, waiters in self._settle_waiters.items():
             if waiters and self.policy.upstreams[name].prefilling <= 0:
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(None)
-        m = self.metrics
-        if m is None:
-            return
-        m.queue_depth.set(self.policy.queue_depth)
-        for name, u in self.policy.upstreams.items():
-            m.live_decodes.labels(name).set(u.live_decodes)
-            m.large_in_flight.labels(name).set(u.large_in_flight)
-            m.prefill_tokens.labels(name).set(u.prefill_tokens)
-            m.budget_tokens.labels(name).set(u.budget_tokens)

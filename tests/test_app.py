@@ -17,6 +17,8 @@ from conftest import (
     serve,
 )
 
+from proxy.exchange import with_member
+
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):
     async with proxy_client(fake) as (c, state):
@@ -44,6 +46,28 @@ async def test_streaming_relays_events_and_hides_the_usage_chunk_it_asked_for(fa
         assert sample(reg, "prefill_gate_itl_seconds_count",
                       {"class": "interactive", "large_prefill_in_flight": "false"}) == 1
         assert sample(reg, "prefill_gate_estimate_relative_error_count") == 1
+
+
+async def test_asking_for_usage_keeps_the_clients_bytes(fake):
+    """The usage the proxy asks for on a stream is appended to the client's JSON as it came
+    (a prompt's non-ASCII text stays UTF-8, not re-encoded as \\u escapes); a body whose
+    stream_options exist but lack include_usage is re-encoded with it added."""
+    raw = b'{"model":"m","stream":true, "messages":[{"role":"user","content":"gr\xc3\xbc\xc3\x9fe"}]}\n'
+    async with proxy_client(fake) as (c, state):
+        r = await c.post(CHAT, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200
+        assert fake.requests[-1].content == raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
+        r = await c.post(CHAT, json=chat(stream=True, stream_options={"continuous_usage_stats": False}))
+        assert r.status_code == 200
+        assert fake.bodies[-1]["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
+def test_with_member_appends_to_plain_utf8_objects_only():
+    member = b'"k":1'
+    assert json.loads(with_member(b' {"a": [1, {}]} \r\n', member)) == {"a": [1, {}], "k": 1}
+    assert with_member(b"{ }", member) == b'{"k":1}'
+    assert with_member('{"a": 1}'.encode("utf-16"), member) is None
+    assert with_member(b'["not an object"]', member) is None
 
 
 async def test_streaming_forwards_usage_when_the_client_asked(fake):
