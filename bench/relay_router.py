@@ -1,7 +1,7 @@
 """prefill-gate's relay against vllm-router (the Rust router for vLLM), side by side (issue 27).
 
     python3 bench/relay_router.py --router /tmp/vr/bin/vllm-router --json F \\
-        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2]
+        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR]
 
 One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
 write time), and three targets: the upstream direct, prefill-gate (defaults) and vllm-router
@@ -14,14 +14,21 @@ generator and upstream the others (the issue's rig: one core each side).
 Per target and level: TTFT p50/p99; the per-chunk delay (arrival minus the upstream's stamp)
 p50/p99/p99.9/max; the relay's CPU seconds per relayed chunk (its process's utime + stime,
 all threads, from /proc, over the level). Direct has no relay: its delay is the floor.
+
+``--baseline DIR``: a fourth target, the prefill-gate of another checkout (e.g. ``git
+worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the same CPU in
+the same turns: a before/after in one run, where this VM's drift between runs (CPU per chunk
+of the same code 20-40% apart on different days) would swamp it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -51,6 +58,21 @@ def level(text: str) -> tuple[int, float]:
     return int(streams), float(ms) / 1000
 
 
+def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per level, over its rounds: every relay's CPU per chunk over vllm-router's in the same
+    round (the same load, minutes apart at most)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    rounds: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["cpu_us_per_chunk"] is not None:
+            rounds.setdefault((r["level"], r["round"]), {})[r["target"]] = r["cpu_us_per_chunk"]
+    for (lvl, _), cpu in rounds.items():
+        for target, us in cpu.items():
+            if target != "vllm-router" and "vllm-router" in cpu:
+                out.setdefault(lvl, {}).setdefault(target, []).append(round(us / cpu["vllm-router"], 2))
+    return out
+
+
 COLUMNS = [("level", "level"), ("target", "target"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
            ("chunk_ms_p50", "delay p50 ms"), ("chunk_ms_p99", "delay p99 ms"), ("chunk_ms_p999", "delay p99.9 ms"),
            ("chunk_ms_max", "delay max ms"), ("chunks_per_s", "chunks/s"), ("cpu_us_per_chunk", "relay CPU us/chunk")]
@@ -62,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="1x5,32x5,128x20,512x80")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", help="a checkout of another commit: its prefill-gate as a fourth target")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not args.router or not os.access(args.router, os.X_OK):
@@ -71,11 +94,22 @@ def main(argv=None) -> int:
     if relay_cpus:
         os.sched_setaffinity(0, set(cpus[:-1]))
     rows = []
-    with Service("bench-upstream", name="stamp") as up, \
-            Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy", cpus=relay_cpus) as gate, \
-            router(args.router, up.url, relay_cpus) as vr:
+    baseline = None
+    if args.baseline:
+        base_commit = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True,
+                                     capture_output=True, text=True).stdout.strip()
+    with contextlib.ExitStack() as stack:
+        up = stack.enter_context(Service("bench-upstream", name="stamp"))
+        gate = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy",
+                                           cpus=relay_cpus))
+        vr = stack.enter_context(router(args.router, up.url, relay_cpus))
+        if args.baseline:
+            baseline = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning",
+                                                   name="baseline", cpus=relay_cpus, cwd=args.baseline))
         targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
                    "vllm-router": (vr.url, vr.proc.pid)}
+        if baseline is not None:
+            targets[f"prefill-gate@{base_commit}"] = (baseline.url, baseline.proc.pid)
         for text in args.levels.split(","):
             streams, interval = level(text)
             for rnd in range(args.rounds):
@@ -88,10 +122,16 @@ def main(argv=None) -> int:
                                cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
                     rows.append(row)
     print(table(rows, COLUMNS))
+    ratios = cpu_ratios(rows)
+    print("\nrelay CPU per chunk over vllm-router's, per round:")
+    for lvl, per in ratios.items():
+        print(f"  {lvl}: " + "; ".join(f"{t} {min(v):.2f}-{max(v):.2f}x ({', '.join(map(str, v))})" for t, v in per.items()))
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
-                               "router": args.router, "rows": rows, **environment()})
+                               "router": args.router, "baseline": args.baseline and {"dir": args.baseline,
+                                                                                     "commit": base_commit},
+                               "cpu_over_router": ratios, "rows": rows, **environment()})
     return 0
 
 

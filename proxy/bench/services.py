@@ -21,17 +21,19 @@ def free_port() -> int:
 
 class Service:
     """``python -m proxy ARGS --port P`` in its own process (or ``argv``, another program
-    listening on ``port``); ``url`` once /health answers."""
+    listening on ``port``); ``url`` once /health answers. ``cwd``: run the ``proxy`` of
+    another checkout (``python -m`` imports from the working directory first)."""
 
     def __init__(self, *args: str, name: str = "service", timeout: float = 30.0, env: dict | None = None,
-                 cpus: set[int] | None = None, port: int | None = None, argv: list[str] | None = None):
+                 cpus: set[int] | None = None, port: int | None = None, argv: list[str] | None = None,
+                 cwd: str | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"prefill-gate-{name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             argv or [sys.executable, "-m", "proxy", *args, "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd,
         )
         if cpus:
             os.sched_setaffinity(self.proc.pid, cpus)
