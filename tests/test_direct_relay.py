@@ -104,19 +104,21 @@ async def sse_upstream(events: list[bytes], cuts: random.Random, gap_s: float = 
 
     async def handle(reader, writer):
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(HEAD_SSE)
-            pos = 0
-            while pos < len(stream):
-                n = cuts.randint(1, 400)
-                writer.write(b"%x\r\n%s\r\n" % (len(stream[pos:pos + n]), stream[pos:pos + n]))
-                pos += n
+            while True:  # every request on the connection (the proxy keeps it alive)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(HEAD_SSE)
+                pos = 0
+                while pos < len(stream):
+                    n = cuts.randint(1, 400)
+                    writer.write(b"%x\r\n%s\r\n" % (len(stream[pos:pos + n]), stream[pos:pos + n]))
+                    pos += n
+                    await writer.drain()
+                    if gap_s:
+                        await asyncio.sleep(gap_s)
+                writer.write(b"0\r\n\r\n")
                 await writer.drain()
-                if gap_s:
-                    await asyncio.sleep(gap_s)
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-            await reader.read()  # until the proxy closes or pools the connection
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -164,3 +166,34 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_on_the_direct
         assert writes["n"] > 0
         writer.close()
         await asyncio.wait_for(closed.wait(), 10)
+
+
+async def test_the_direct_path_leaves_no_reference_cycles():
+    """As through send (tests/test_relay.py): a request's objects go by reference counting
+    when it ends, the sink's closure included (its connection, pooled, lets go of it)."""
+    import gc
+
+    from proxy.disconnect import DisconnectWatch
+    from proxy.exchange import GatedExchange
+    from proxy.fasthttp import _ResponseStream
+    from proxy.relay import StreamObserver
+
+    events = [sse(i) for i in range(50)] + [b"data: [DONE]\n\n"]
+    server, url, stream, _ = await sse_upstream(events, random.Random(2))
+    state = make_state(upstreams=[url])
+    kinds = (GatedExchange, DisconnectWatch, StreamObserver, _ResponseStream, listener.ChunkWriter)
+    async with server, serve(create_app(state, health_checks=False)) as proxy:
+        assert dechunk(await post_raw(proxy, "/v1/chat/completions", CHAT)) == stream  # warm
+        await asyncio.sleep(0.05)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                assert dechunk(await post_raw(proxy, "/v1/chat/completions", CHAT)) == stream
+            await asyncio.sleep(0.05)
+            gc.collect()
+            cyclic = sorted({type(o).__name__ for o in gc.garbage if isinstance(o, kinds)})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert cyclic == []
