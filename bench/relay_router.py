@@ -1,7 +1,7 @@
 """prefill-gate's relay against vllm-router (the Rust router for vLLM), side by side (issue 27).
 
     python3 bench/relay_router.py --router /tmp/vr/bin/vllm-router --json F \\
-        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR]
+        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR] [--floor]
 
 One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
 write time), and three targets: the upstream direct, prefill-gate (defaults) and vllm-router
@@ -18,7 +18,9 @@ all threads, from /proc, over the level). Direct has no relay: its delay is the 
 ``--baseline DIR``: a fourth target, the prefill-gate of another checkout (e.g. ``git
 worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the same CPU in
 the same turns: a before/after in one run, where this VM's drift between runs (CPU per chunk
-of the same code 20-40% apart on different days) would swamp it.
+of the same code 20-40% apart on different days) would swamp it. ``--floor``: also
+``bench/relay_floor.py`` (``uvloop-pipe``), a TCP pipe in uvloop's callbacks: the least CPU
+any relay in Python can spend per chunk.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", help="a checkout of another commit: its prefill-gate as a fourth target")
+    ap.add_argument("--floor", action="store_true", help="also bench/relay_floor.py, a plain TCP pipe on uvloop")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not args.router or not os.access(args.router, os.X_OK):
@@ -110,6 +113,12 @@ def main(argv=None) -> int:
                    "vllm-router": (vr.url, vr.proc.pid)}
         if baseline is not None:
             targets[f"prefill-gate@{base_commit}"] = (baseline.url, baseline.proc.pid)
+        if args.floor:
+            port = free_port()
+            pipe = stack.enter_context(Service(name="uvloop-pipe", port=port, cpus=relay_cpus, argv=[
+                sys.executable, str(pathlib.Path(__file__).with_name("relay_floor.py")), "--upstream", up.url,
+                "--port", str(port)]))
+            targets["uvloop-pipe"] = (pipe.url, pipe.proc.pid)
         for text in args.levels.split(","):
             streams, interval = level(text)
             for rnd in range(args.rounds):
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
-                               "router": args.router, "baseline": args.baseline and {"dir": args.baseline,
+                               "router": args.router, "floor": args.floor, "baseline": args.baseline and {"dir": args.baseline,
                                                                                      "commit": base_commit},
                                "cpu_over_router": ratios, "rows": rows, **environment()})
     return 0
