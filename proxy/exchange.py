@@ -495,8 +495,8 @@ class GatedExchange(Exchange):
     async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle,
                     writer: ChunkWriter | None = None) -> None:
         """Every read of the upstream's body, cut into complete SSE events, through
-        ``observer`` to ``await handle(events, forward)`` (forward: the bytes the client
-        gets); then the checks of a clean end.
+        ``observer`` to ``await handle(events, out)`` (out: the bytes the client gets); then
+        the checks of a clean end.
 
         The per-chunk path: with a ``writer`` (the client's socket, when nothing stands in
         the way of writing to it), bytes that arrive while this task waits are relayed in

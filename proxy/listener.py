@@ -11,7 +11,7 @@ request's own bounds apply to it). A chunked body's trailer fields never join th
 headers.
 
 ``chunk_writer`` lets the relay write a streamed answer's parts from the upstream's read
-callback, without waking the request's task (see ``proxy.relay``).
+callback, without waking the request's task (see ``proxy.exchange.GatedExchange._pump``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class HeadDeadline:
 class ChunkWriter:
     """Writes the body parts of a chunked answer straight to the client's socket, from a
     callback: exactly what uvicorn's httptools ``send`` writes for an ``http.response.body``
-    message with ``more_body`` (``tests/test_listener.py`` holds the two byte for byte), for
+    message with ``more_body`` (``tests/test_direct_relay.py`` holds the two byte for byte), for
     as long as that is all it would do. ``ready()`` is False when ``send`` has more to do:
     the client stopped reading (flow control), went away, the answer is complete, or it is
     not chunked; the caller then goes through ``send``."""
