@@ -8,7 +8,9 @@
 #      dependencies (requirements/engine-nodeps.txt: its torch pin is a CUDA build of
 #      several GB). About 80 s and 2 GB on a 2-core machine;
 #   3. Prometheus and promtool (Debian's `prometheus` package) for the deploy/ tests, when
-#      missing and apt-get can install them (~15 s).
+#      missing and apt-get can install them (~15 s);
+#   4. the Prometheus operator's API types from npm (tests/deploy/npm, its lock; ~10 s) for
+#      the PodMonitor's check (Node.js runs its validator).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
@@ -17,6 +19,11 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
       || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; } \
       || echo "scripts/test.sh: could not install Debian's prometheus package" >&2
   fi
+fi
+# The Prometheus operator's API types (npm, pinned by its lock) for the PodMonitor's check.
+if command -v npm >/dev/null; then
+  npm ci --prefix tests/deploy/npm --silent --no-audit --no-fund \
+    || echo "scripts/test.sh: npm could not install tests/deploy/npm" >&2
 fi
 python3 -m venv .venv
 # Every version pinned by requirements/test.lock (constraints): a new release upstream cannot

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import subprocess
 import warnings
 
 import pytest
@@ -110,3 +112,83 @@ def test_the_sidecar_matches_the_vllm_beside_it(variant):
             assert env.get("PREFILL_GATE_PACING") == "adaptive" and flag(vllm["args"], "--scheduler-cls")
     names = {"--" + n.replace("_", "-") for n in Settings.model_fields} | {"--upstream"}
     assert all(a.split("=", 1)[0] in names for a in gate["args"]), gate["args"]  # every flag is a setting
+
+
+# ------------------------------------------------------------------ the PodMonitor
+# kubernetes-validate has no schema for the Prometheus operator's kinds (it only warns), and
+# no registry reachable here ships the operator's CRD text. The PodMonitor is checked
+# against @kubernetes-models/prometheus-operator instead (pinned in tests/deploy/npm; made
+# from the operator's Go API types, the types its CRD is generated from): its validator for
+# types, formats and required fields, and, since that validator lets unknown fields through,
+# every key of ours against the fields its declarations name.
+NPM = ROOT / "tests" / "deploy" / "npm"
+OPERATOR_V1 = NPM / "node_modules" / "@kubernetes-models" / "prometheus-operator" / "monitoring.coreos.com" / "v1"
+VALIDATE_JS = """
+import { readFileSync } from "node:fs";
+import { PodMonitor } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor";
+try { new PodMonitor(JSON.parse(readFileSync(0, "utf8"))).validate(); }
+catch (e) { console.log(e.message); process.exit(1); }
+"""
+
+
+def podmonitor() -> dict:
+    component = yaml.safe_load((K8S / "components" / "podmonitor" / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component" and component["resources"] == ["podmonitor.yaml"]
+    return yaml.safe_load((K8S / "components" / "podmonitor" / "podmonitor.yaml").read_text())
+
+
+def operator_validate(doc: dict) -> str | None:
+    """None when the operator's API takes ``doc``, else why not."""
+    from tests.deploy.conftest import tool
+
+    node = tool("node")
+    if not OPERATOR_V1.exists():
+        if os.environ.get("PREFILL_GATE_REQUIRE_DEPLOY_TOOLS") == "1":
+            pytest.fail("the operator's API types are not installed (scripts/test.sh: npm ci --prefix tests/deploy/npm)")
+        pytest.skip("npm ci --prefix tests/deploy/npm first")
+    done = subprocess.run([node, "--input-type=module", "-e", VALIDATE_JS], input=json.dumps(doc), cwd=NPM,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode in (0, 1), done.stderr
+    return done.stdout.strip() or None if done.returncode else None
+
+
+def declared(type_name: str) -> set[str]:
+    """The field names a type of the operator's API declares (its own and inherited)."""
+    return set(re.findall(r'^\s+"(\w+)"\??:', (OPERATOR_V1 / f"{type_name}.d.ts").read_text(), re.M))
+
+
+def undeclared(doc: dict) -> set[str]:
+    """Keys of the spec and its endpoints that the operator's API does not declare."""
+    spec = doc["spec"]
+    keys = set(spec) - declared("PodMonitorSpec")
+    for endpoint in spec.get("podMetricsEndpoints", []):
+        keys |= set(endpoint) - declared("PodMetricsEndpoint")
+    return keys
+
+
+def test_the_podmonitor_matches_the_operators_api():
+    doc = podmonitor()
+    assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert operator_validate(doc) is None
+    assert undeclared(doc) == set()
+
+
+def test_the_podmonitor_checks_can_fail():
+    doc = podmonitor()
+    doc["spec"]["podMetricsEndpoints"][0]["interval"] = 15  # a number where the API takes a duration string
+    assert "interval must be string" in (operator_validate(doc) or "")
+    doc = podmonitor()
+    doc["spec"]["podMetricsEndpoints"][1]["pathh"] = "/x"  # the validator takes it; the key check does not
+    assert operator_validate(doc) is None and undeclared(doc) == {"pathh"}
+
+
+def test_the_podmonitor_scrapes_what_the_pod_serves():
+    """Its selector picks the Deployment's pods, its port is the proxy's named port, its
+    paths the proxy's two metrics pages."""
+    doc, docs = podmonitor(), base()
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    proxy_ports = {p["name"] for p in containers(docs)["prefill-gate"]["ports"]}
+    assert {e["port"] for e in doc["spec"]["podMetricsEndpoints"]} <= proxy_ports
+    assert sorted(e["path"] for e in doc["spec"]["podMetricsEndpoints"]) == ["/metrics", "/vllm/metrics"]
