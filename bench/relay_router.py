@@ -20,7 +20,8 @@ worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the 
 the same turns: a before/after in one run, where this VM's drift between runs (CPU per chunk
 of the same code 20-40% apart on different days) would swamp it. ``--floor``: also
 ``bench/relay_floor.py`` (``uvloop-pipe``), a TCP pipe in uvloop's callbacks: the least CPU
-any relay in Python can spend per chunk.
+any relay in Python can spend per chunk. Each prefill-gate turn also records the proxy's
+cycle-collector pauses (its ``prefill_gate_gc_pause_seconds``, before and after the turn).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import argparse
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
+
+import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from proxy.bench.overhead import measure
@@ -58,6 +62,34 @@ def router(binary: str, worker: str, cpus: set[int] | None) -> Service:
 def level(text: str) -> tuple[int, float]:
     streams, ms = text.lower().split("x")
     return int(streams), float(ms) / 1000
+
+
+GC_SERIES = re.compile(r'^prefill_gate_gc_pause_seconds_(bucket|count|sum)\{generation="(\d)"(?:,le="([^"]+)")?\} (\S+)$',
+                       re.M)
+
+
+def gc_pauses(url: str) -> dict[str, float] | None:
+    """The proxy's cycle-collector pauses so far (its gc_pause_seconds): collections, full
+    ones, pauses over 5 ms, seconds paused. None: a proxy that does not time them."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    out = {"collections": 0.0, "full": 0.0, "over_5ms": 0.0, "paused_s": 0.0}
+    found = False
+    for kind, generation, le, value in GC_SERIES.findall(text):
+        found = True
+        v = float(value)
+        if kind == "count":
+            out["collections"] += v
+            out["over_5ms"] += v
+            if generation == "2":
+                out["full"] += v
+        elif kind == "sum":
+            out["paused_s"] += v
+        elif le == "0.005":
+            out["over_5ms"] -= v
+    return out if found else None
 
 
 def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
@@ -125,8 +157,11 @@ def main(argv=None) -> int:
                 for name, (url, pid) in targets.items():
                     print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
                     before = cpu_seconds(pid) if pid else 0.0
+                    gc_before = gc_pauses(url) if name.startswith("prefill-gate") else None
                     row = measure(url, streams, args.tokens, interval)
                     cpu = cpu_seconds(pid) - before if pid else None
+                    gc_after = gc_pauses(url) if gc_before is not None else None
+                    row["gc"] = None if gc_after is None else {k: gc_after[k] - gc_before[k] for k in gc_after}
                     row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval,
                                cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
                     rows.append(row)
@@ -135,6 +170,13 @@ def main(argv=None) -> int:
     print("\nrelay CPU per chunk over vllm-router's, per round:")
     for lvl, per in ratios.items():
         print(f"  {lvl}: " + "; ".join(f"{t} {min(v):.2f}-{max(v):.2f}x ({', '.join(map(str, v))})" for t, v in per.items()))
+    timed = [r for r in rows if r.get("gc")]
+    if timed:
+        print("\nprefill-gate's cycle-collector pauses per turn (its gc_pause_seconds):")
+        for r in timed:
+            g = r["gc"]
+            print(f"  {r['level']} round {r['round']}: {g['collections']:.0f} collections, {g['full']:.0f} full, "
+                  f"{g['over_5ms']:.0f} over 5 ms, {g['paused_s'] * 1e3:.1f} ms paused in all")
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),

@@ -103,6 +103,7 @@ async def _serve(settings: Settings) -> None:
     # (bench/relay_router.py; docs/RESULTS.md section 3).
     gc.collect()
     gc.freeze()
+    state.metrics.watch_gc()
     drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
     try:
         await asyncio.gather(*servers)

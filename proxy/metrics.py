@@ -9,8 +9,10 @@ zeros rather than gaps. The registry is passed in: tests build a fresh one.
 from __future__ import annotations
 
 import bisect
+import gc
 import math
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
@@ -28,6 +30,7 @@ _SLICE_GAP = (0.01, 0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.075, 0.
 _WAIT = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 _ERROR = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2)
+_GC_PAUSE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
 class Metrics:
@@ -97,6 +100,11 @@ class Metrics:
             p + "slice_settle_seconds_total",
             "Time slicers waited for other requests' prefills on the upstream to end before a slice.",
             ["upstream"], registry=r)
+        self.gc_pause = Histogram(
+            p + "gc_pause_seconds",
+            "Time the interpreter's cycle collector held the event loop, per collection, by generation "
+            "(2: full collections). Observed by `prefill-gate serve`.",
+            ["generation"], buckets=_GC_PAUSE, registry=r)
         self.slice_misses = Counter(
             p + "slice_cache_miss_tokens_total",
             "Sliced prompt tokens the upstream did not serve from its cache to the final request "
@@ -122,6 +130,23 @@ class Metrics:
             self.retries.labels(u)
             for k in ERROR_KINDS:
                 self.upstream_errors.labels(u, k)
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every collection of the cycle collector into ``gc_pause`` (its callbacks are
+        the process's: one watcher per process). Returns what stops watching."""
+        started = [0.0]
+        children = {g: self.gc_pause.labels(str(g)) for g in (0, 1, 2)}
+
+        def on_collection(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                children[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(on_collection)
+        return lambda: gc.callbacks.remove(on_collection)
 
 
 class ChunkHistogram:

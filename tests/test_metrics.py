@@ -53,3 +53,29 @@ def test_a_run_of_chunks_counts_as_its_observations():
         for _ in range(n - 1):
             each.observe(0.0)
     assert generate_latest(ours) == generate_latest(theirs)
+
+
+def test_collector_pauses_are_timed_by_generation():
+    """watch_gc times each collection of the cycle collector into gc_pause_seconds, by
+    generation, until the watcher is removed."""
+    import gc
+
+    from proxy.metrics import Metrics
+
+    registry = CollectorRegistry()
+    stop = Metrics(registry, ["http://u"]).watch_gc()
+
+    def count(generation: str) -> float:
+        return registry.get_sample_value("prefill_gate_gc_pause_seconds_count", {"generation": generation})
+
+    try:
+        before = count("2")
+        gc.collect()
+        gc.collect(0)
+        assert count("2") == before + 1 and count("0") >= 1  # gc.collect() is a full collection
+        assert registry.get_sample_value("prefill_gate_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    finally:
+        stop()
+    after = count("2")
+    gc.collect()
+    assert count("2") == after
