@@ -30,12 +30,12 @@ import argparse
 import contextlib
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from proxy.bench.overhead import measure
@@ -64,10 +64,6 @@ def level(text: str) -> tuple[int, float]:
     return int(streams), float(ms) / 1000
 
 
-GC_SERIES = re.compile(r'^prefill_gate_gc_pause_seconds_(bucket|count|sum)\{generation="(\d)"(?:,le="([^"]+)")?\} (\S+)$',
-                       re.M)
-
-
 def gc_pauses(url: str) -> dict[str, float] | None:
     """The proxy's cycle-collector pauses so far (its gc_pause_seconds): collections, full
     ones, pauses over 5 ms, seconds paused. None: a proxy that does not time them."""
@@ -75,21 +71,22 @@ def gc_pauses(url: str) -> dict[str, float] | None:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return None
+    family = next((f for f in text_string_to_metric_families(text) if f.name == "prefill_gate_gc_pause_seconds"),
+                  None)
+    if family is None:
+        return None
     out = {"collections": 0.0, "full": 0.0, "over_5ms": 0.0, "paused_s": 0.0}
-    found = False
-    for kind, generation, le, value in GC_SERIES.findall(text):
-        found = True
-        v = float(value)
-        if kind == "count":
-            out["collections"] += v
-            out["over_5ms"] += v
-            if generation == "2":
-                out["full"] += v
-        elif kind == "sum":
-            out["paused_s"] += v
-        elif le == "0.005":
-            out["over_5ms"] -= v
-    return out if found else None
+    for s in family.samples:
+        if s.name.endswith("_count"):
+            out["collections"] += s.value
+            out["over_5ms"] += s.value
+            if s.labels["generation"] == "2":
+                out["full"] += s.value
+        elif s.name.endswith("_sum"):
+            out["paused_s"] += s.value
+        elif s.labels.get("le") == "0.005":
+            out["over_5ms"] -= s.value
+    return out
 
 
 def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:

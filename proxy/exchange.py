@@ -531,7 +531,7 @@ class GatedExchange(Exchange):
 
         async def forward(events: list[bytes], out: bytes) -> None:
             if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
+                await send_body(send, out, True)
 
         await self._pump(resp, upstream, observer, forward, chunk_writer(send))
         if observer.saw_error:  # relayed as sent, but not a completed answer (nor a length to learn)

@@ -45,6 +45,11 @@ BODY_READER = "prefill_gate.body_reader"  # a response extension: its body's rea
 BODY_SINK = "prefill_gate.body_sink"  # a response extension: hand body bytes to a callback (see body_sink)
 
 
+def origin_of(url: httpx.URL) -> tuple[str, str, int]:
+    """(scheme, host, port) of a URL, the port defaulted by scheme: a connection pool key."""
+    return url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80)
+
+
 def body_reader(resp: httpx.Response):
     """An async callable that answers the body's next bytes, or None at its end: straight
     from this transport's connection when the response came from it (the relay's path),
@@ -166,7 +171,7 @@ class _Connection(asyncio.Protocol):
     def _to_sink(self) -> bool:
         """Offer what arrived to the sink (the reader is parked, nothing else queued). True:
         the reader must wake (bytes left for it, the body's end, or an error)."""
-        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        data = self._queued()
         try:
             taken = self.sink(data)
         except Exception as exc:  # the reader raises it; the connection is not reused
@@ -268,9 +273,13 @@ class _Connection(asyncio.Protocol):
         else:  # progress since this timer was armed: check again at the moved deadline
             self._timer = self._loop.call_at(self._deadline, self._check_deadline)
 
+    def _queued(self) -> bytes:
+        """The body bytes queued since the last take, as one object."""
+        return self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+
     def take(self) -> bytes:
         """Every body byte that arrived since the last call, as one object."""
-        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        data = self._queued()
         self.chunks.clear()
         self.buffered = 0
         if self.paused and self.transport is not None:
@@ -348,12 +357,10 @@ class FastTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        scheme = url.scheme
-        if scheme not in ("http", "https"):
-            raise httpx.UnsupportedProtocol(f"{scheme!r} URLs are not supported")
-        origin = (scheme, url.host, url.port or (443 if scheme == "https" else 80))
+        if url.scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"{url.scheme!r} URLs are not supported")
         body = await request.aread()
-        return await self.open(request.method.encode(), origin, url.raw_path, request.headers.raw, body,
+        return await self.open(request.method.encode(), origin_of(url), url.raw_path, request.headers.raw, body,
                                request.extensions.get("timeout", {}))
 
     async def open(self, method: bytes, origin: tuple, target: bytes, headers: list[tuple[bytes, bytes]],

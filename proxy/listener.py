@@ -25,6 +25,11 @@ import uvicorn
 
 from .settings import Settings
 
+try:  # uvicorn's httptools protocol; without httptools, its pure-Python h11 one
+    from uvicorn.protocols.http import httptools_impl
+except ImportError:
+    httptools_impl = None
+
 log = logging.getLogger("prefill_gate")
 
 _408_BODY = json.dumps({"error": {"message": "the request's headers did not arrive in time (client_header_timeout)",
@@ -112,20 +117,17 @@ def chunk_writer(send: Any) -> ChunkWriter | None:
     for anything else (uvicorn's h11 protocol, other servers, the tests' in-memory ASGI
     transport), which keeps to ``send``."""
     cycle = getattr(send, "__self__", None)
-    try:
-        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-    except ImportError:
-        return None
-    if type(cycle) is not RequestResponseCycle or not all(hasattr(cycle, f) for f in _CYCLE_FIELDS) \
+    if httptools_impl is None or type(cycle) is not httptools_impl.RequestResponseCycle \
+            or not all(hasattr(cycle, f) for f in _CYCLE_FIELDS) \
             or cycle.scope.get("method") != "POST":
         return None
     return ChunkWriter(cycle)
 
 
 def _protocol_class(header_timeout: float) -> type:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools missing: uvicorn's pure-Python parser
+    if httptools_impl is not None:
+        base = httptools_impl.HttpToolsProtocol
+    else:  # httptools missing: uvicorn's pure-Python parser
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type("PrefillGateHttp", (HeadDeadline, base), {"header_timeout": header_timeout})
 

@@ -23,7 +23,7 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport, body_reader
+from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport, body_reader, origin_of
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _CLOSED_STREAM = httpx.ByteStream(b"")
@@ -49,8 +49,7 @@ class _Target:
     @classmethod
     def of(cls, url: str) -> "_Target":
         u = httpx.URL(url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-        return cls((u.scheme, u.host, port), u.netloc, u.raw_path.rstrip(b"/"))
+        return cls(origin_of(u), u.netloc, u.raw_path.rstrip(b"/"))
 
 
 def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client_auth: bool = False) -> dict:
