@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 from .report import environment, percentile, table, write_json
 from .services import Service
@@ -179,12 +180,15 @@ def _part(args: tuple) -> tuple[list, list, float, list]:
     return asyncio.run(_measure_part(*args))
 
 
-def measure(url: str, streams: int, tokens: int, interval: float, sync: bool = False, procs: int = 1) -> dict:
+def measure(url: str | Sequence[str], streams: int, tokens: int, interval: float, sync: bool = False,
+            procs: int = 1) -> dict:
     """Every stream's TTFT and per-chunk delay; the streams spread over `procs` load
-    processes (one asyncio process tops out near 5,000 chunks/s of its own parsing)."""
-    procs = max(1, min(procs, streams))
+    processes (one asyncio process tops out near 5,000 chunks/s of its own parsing).
+    Several URLs: load process i sends to ``url[i % len(url)]`` (at least one process each)."""
+    urls = [url] if isinstance(url, str) else list(url)
+    procs = max(1, len(urls), min(procs, streams))
     shares = [streams // procs + (i < streams % procs) for i in range(procs)]
-    parts = [(url, n, tokens, interval, sync, i, procs, streams) for i, n in enumerate(shares)]
+    parts = [(urls[i % len(urls)], n, tokens, interval, sync, i, procs, streams) for i, n in enumerate(shares)]
     if procs == 1:
         results = [_part(parts[0])]
     else:
