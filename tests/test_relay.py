@@ -161,3 +161,55 @@ def test_observer_reports_one_reads_chunks_in_one_call():
     first = StreamObserver(lambda: None, lambda gap, n: calls.append((gap, n)), clock=lambda: now[0])
     first.filter([ev(chunk("x")), ev(chunk("y"))])  # the first content and one more in one read
     assert calls[-1] == (0.0, 1) and first.tokens == 2
+
+
+# ------------------------------------------------- the fast paths equal the general ones
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_EVENTS = st.sampled_from([
+    ev(chunk("a")), ev(chunk("", role="assistant")), ev(chunk(None, finish="stop")), ev(chunk("x\ny")),
+    ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}),
+    ev({"choices": [{"index": 0, "delta": {"content": "u"}}], "usage": {"prompt_tokens": 3}}),
+    ev({"choices": [{"index": 0, "delta": {"content": "u"}}], "usage": None}),
+    ev({"error": {"message": "boom"}}), ev({"choices": [{"index": 0, "delta": {"content": "the \"error\" word"}}]}),
+    ev({"choices": []}), b"data: [DONE]\n\n", b": a comment\n\n", b"data:{\"choices\":[{\"text\":\"t\"}]}\n\n",
+    b"data: {\"choices\":[{\"text\":\"crlf\"}]}\r\n\r\n", b"event: ping\ndata: {}\n\n", b"\n\n",
+])
+
+
+def _reads(groups, cuts, how):
+    """The reads of a stream: a group of whole events each, or the bytes cut anywhere."""
+    if how == "groups":
+        return [b"".join(g) for g in groups]
+    stream = b"".join(e for g in groups for e in g)
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    return [stream[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=8),
+       st.lists(st.integers(0, 10_000), max_size=8), st.sampled_from(["groups", "cuts"]), st.booleans())
+def test_fast_paths_cut_and_observe_exactly_as_the_general_ones(groups, cuts, how, drop_usage):
+    """``SSESplitter.feed`` and ``StreamObserver.filter`` take a shortcut for the usual read
+    (one whole content chunk); over any events, read whole or in groups or cut anywhere, they
+    return and record exactly what their general paths (``_cut``, ``_observe``) do."""
+    reads = _reads(groups, cuts, how)
+    fast_split, slow_split = SSESplitter(), SSESplitter()
+    now = [0.0]
+    log = {"fast": [], "slow": []}
+
+    def observer(name):
+        return StreamObserver(lambda: log[name].append(("first", now[0])),
+                              lambda gap, n: log[name].append((gap, n)), drop_usage=drop_usage,
+                              clock=lambda: now[0])
+
+    fast_obs, slow_obs = observer("fast"), observer("slow")
+    for i, data in enumerate(reads):
+        now[0] = i * 0.25
+        got, want = fast_split.feed(data), slow_split._cut(data)
+        assert got == want
+        assert fast_obs.filter(got) == slow_obs._observe(want)
+    assert fast_split.flush() == slow_split.flush()
+    assert log["fast"] == log["slow"]
+    fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
+    assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
