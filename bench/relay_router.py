@@ -2,6 +2,7 @@
 
     python3 bench/relay_router.py --router /tmp/vr/bin/vllm-router --json F \\
         [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR] [--floor]
+        [--load-procs N] [--upstream-procs N]
 
 One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
 write time), and three targets: the upstream direct, prefill-gate (defaults) and vllm-router
@@ -117,6 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", help="a checkout of another commit: its prefill-gate as a fourth target")
     ap.add_argument("--floor", action="store_true", help="also bench/relay_floor.py, a plain TCP pipe on uvloop")
+    ap.add_argument("--baseline-commit", help="the baseline's commit, where DIR is a copy without .git")
+    ap.add_argument("--load-procs", type=int, default=1, help="load generator processes (the streams split evenly)")
+    ap.add_argument("--upstream-procs", type=int, default=1, help="stamping upstream processes on one socket")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not args.router or not os.access(args.router, os.X_OK):
@@ -128,10 +132,11 @@ def main(argv=None) -> int:
     rows = []
     baseline = None
     if args.baseline:
-        base_commit = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True,
-                                     capture_output=True, text=True).stdout.strip()
+        base_commit = args.baseline_commit or subprocess.run(
+            ["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+            text=True).stdout.strip()
     with contextlib.ExitStack() as stack:
-        up = stack.enter_context(Service("bench-upstream", name="stamp"))
+        up = stack.enter_context(Service("bench-upstream", "--procs", str(args.upstream_procs), name="stamp"))
         gate = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy",
                                            cpus=relay_cpus))
         vr = stack.enter_context(router(args.router, up.url, relay_cpus))
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
                     print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
                     before = cpu_seconds(pid) if pid else 0.0
                     gc_before = gc_pauses(url) if name.startswith("prefill-gate") else None
-                    row = measure(url, streams, args.tokens, interval)
+                    row = measure(url, streams, args.tokens, interval, procs=args.load_procs)
                     cpu = cpu_seconds(pid) - before if pid else None
                     gc_after = gc_pauses(url) if gc_before is not None else None
                     row["gc"] = None if gc_after is None else {k: gc_after[k] - gc_before[k] for k in gc_after}
@@ -177,6 +182,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
+                               "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
                                "router": args.router, "floor": args.floor, "baseline": args.baseline and {"dir": args.baseline,
                                                                                      "commit": base_commit},
                                "cpu_over_router": ratios, "rows": rows, **environment()})
