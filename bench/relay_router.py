@@ -47,7 +47,16 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
+    """CPU time of a process, all its threads, in seconds: the scheduler's nanosecond count
+    (``/proc/PID/task/*/schedstat``, summed) where the kernel keeps one, else utime + stime
+    from ``/proc/PID/stat``, in clock ticks (10 ms: a short turn's few tens of ticks made
+    the CPU ratios of 32 streams wander by 20%)."""
+    if pathlib.Path(f"/proc/{pid}/schedstat").exists():
+        total = 0
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
