@@ -82,6 +82,28 @@ def turn(url: str, pid: int | None, streams: int, rate: float, seconds: float, p
     return row
 
 
+class Ramp:
+    """One relay's ramp in one round. Its ceiling: the highest rate it kept up at below the
+    first two rates in a row it did not (a single miss between two hits is noise); after
+    those two it is done."""
+
+    def __init__(self) -> None:
+        self.ceiling = 0.0
+        self.misses = 0
+
+    @property
+    def done(self) -> bool:
+        return self.misses >= 2
+
+    def record(self, rate: float, kept_up: bool) -> None:
+        if self.done:
+            raise ValueError("the ramp is over: two misses in a row")
+        if kept_up:
+            self.ceiling, self.misses = rate, 0
+        else:
+            self.misses += 1
+
+
 def keeps_up(row: dict, direct: dict) -> bool:
     return (row["chunk_ms_p99"] <= direct["chunk_ms_p99"] + 1.0
             and row["chunks_per_s"] >= 0.95 * direct["chunks_per_s"])
@@ -106,10 +128,9 @@ def ceiling(args, cpus: list[int]) -> tuple[list[dict], dict]:
             "--port", str(port)]))
         relays = {GATE: (gate.url, gate.proc.pid), ROUTER: (vr.url, vr.proc.pid), PIPE: (pipe.url, pipe.proc.pid)}
         for rnd in range(1, args.rounds + 1):
-            live = dict(relays)
-            best = dict.fromkeys(relays, 0.0)
-            missed = dict.fromkeys(relays, 0)
+            ramps = {name: Ramp() for name in relays}
             for rate in rates:
+                live = {name: relays[name] for name, ramp in ramps.items() if not ramp.done}
                 if not live:
                     break
                 print(f"[scale] ceiling round {rnd}: {rate:.0f} chunks/s, direct", file=sys.stderr)
@@ -120,20 +141,15 @@ def ceiling(args, cpus: list[int]) -> tuple[list[dict], dict]:
                     print(f"[scale] the rig itself fell short at {rate:.0f} chunks/s: ramp ends", file=sys.stderr)
                     direct["rig_limit"] = True
                     break
-                for name, (url, pid) in list(live.items()):
+                for name, (url, pid) in live.items():
                     print(f"[scale] ceiling round {rnd}: {rate:.0f} chunks/s, {name}", file=sys.stderr)
                     row = turn(url, pid, args.streams, rate, args.seconds, args.load_procs, name == GATE)
                     ok = keeps_up(row, direct)
                     row.update(part="ceiling", round=rnd, target=name, cpu=relay_cpu[name], keeps_up=ok)
                     rows.append(row)
-                    if ok:  # a single miss before this was noise, not its limit
-                        best[name], missed[name] = rate, 0
-                    else:
-                        missed[name] += 1
-                        if missed[name] == 2:
-                            del live[name]
-            for name, rate in best.items():
-                ceilings.setdefault(name, []).append(rate)
+                    ramps[name].record(rate, ok)
+            for name, ramp in ramps.items():
+                ceilings.setdefault(name, []).append(ramp.ceiling)
     os.sched_setaffinity(0, set(cpus))
     return rows, ceilings
 

@@ -180,19 +180,26 @@ def _part(args: tuple) -> tuple[list, list, float, list]:
     return asyncio.run(_measure_part(*args))
 
 
+def load_plan(urls: Sequence[str], streams: int, procs: int) -> list[tuple[str, int]]:
+    """(url, streams) for each load process: the streams split as evenly as they go, process
+    i sending to ``urls[i % len(urls)]``, at least one process for each url."""
+    if not urls:
+        raise ValueError("no url to load")
+    procs = max(1, len(urls), min(procs, streams))
+    return [(urls[i % len(urls)], streams // procs + (i < streams % procs)) for i in range(procs)]
+
+
 def measure(url: str | Sequence[str], streams: int, tokens: int, interval: float, sync: bool = False,
             procs: int = 1) -> dict:
     """Every stream's TTFT and per-chunk delay; the streams spread over `procs` load
     processes (one asyncio process tops out near 5,000 chunks/s of its own parsing).
     Several URLs: load process i sends to ``url[i % len(url)]`` (at least one process each)."""
-    urls = [url] if isinstance(url, str) else list(url)
-    procs = max(1, len(urls), min(procs, streams))
-    shares = [streams // procs + (i < streams % procs) for i in range(procs)]
-    parts = [(urls[i % len(urls)], n, tokens, interval, sync, i, procs, streams) for i, n in enumerate(shares)]
-    if procs == 1:
+    plan = load_plan([url] if isinstance(url, str) else list(url), streams, procs)
+    parts = [(u, n, tokens, interval, sync, i, len(plan), streams) for i, (u, n) in enumerate(plan)]
+    if len(parts) == 1:
         results = [_part(parts[0])]
     else:
-        with multiprocessing.get_context("fork").Pool(procs) as pool:
+        with multiprocessing.get_context("fork").Pool(len(parts)) as pool:
             results = pool.map(_part, parts)
     ttfts = [t for r in results for t in r[0]]
     delays = [d for r in results for d in r[1]]

@@ -1,0 +1,50 @@
+"""The relay benches' own rules: how a level's load is spread, and where a ramp's ceiling is."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from proxy.bench.overhead import load_plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _relay_scale():
+    spec = importlib.util.spec_from_file_location("relay_scale", ROOT / "bench" / "relay_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_plan_splits_streams_evenly_and_gives_every_url_a_process():
+    assert load_plan(["a"], 10, 1) == [("a", 10)]
+    assert load_plan(["a"], 10, 3) == [("a", 4), ("a", 3), ("a", 3)]
+    assert load_plan(["a"], 2, 8) == [("a", 1), ("a", 1)]  # no process without a stream
+    plan = load_plan(["a", "b"], 200, 4)
+    assert [u for u, _ in plan] == ["a", "b", "a", "b"] and sum(n for _, n in plan) == 200
+    assert {u for u, _ in load_plan(["a", "b", "c"], 30, 1)} == {"a", "b", "c"}  # one each at least
+    with pytest.raises(ValueError):
+        load_plan([], 1, 1)
+
+
+def test_a_ramps_ceiling_is_below_its_first_two_misses_in_a_row():
+    Ramp = _relay_scale().Ramp
+
+    def ceiling(outcomes):
+        ramp = Ramp()
+        for rate, ok in outcomes:
+            ramp.record(rate, ok)
+        return ramp.ceiling, ramp.done
+
+    assert ceiling([(5, True), (10, True), (15, False), (20, False)]) == (10, True)
+    assert ceiling([(5, True), (10, False), (15, True), (20, True)]) == (20, False)  # one miss: noise
+    assert ceiling([(5, False), (10, False)]) == (0.0, True)
+    assert ceiling([(5, True), (10, False), (15, True), (20, False), (25, False)]) == (15, True)
+    ramp = Ramp()
+    ramp.record(5, False)
+    ramp.record(10, False)
+    with pytest.raises(ValueError):
+        ramp.record(15, True)  # a relay that is done is not asked again
