@@ -15,6 +15,7 @@ import socket
 import sys
 import typing
 
+from .collector import FullCollections, defer_full_collections
 from .settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("prefill_gate")
@@ -100,15 +101,21 @@ async def _serve(settings: Settings) -> None:
     # What exists now (modules, settings, the app) lives as long as the process: out of the
     # cycle collector's sight, a full collection scans only what requests made. With 512
     # streams, full collections over the startup heap stalled every stream 36-106 ms
-    # (bench/relay_router.py; docs/RESULTS.md section 3).
+    # (bench/relay_router.py; docs/RESULTS.md section 3). And full collections run only
+    # while no request is in progress, or every few minutes under load that never pauses
+    # (proxy/collector.py).
     gc.collect()
     gc.freeze()
     state.metrics.watch_gc()
+    restore_gc = defer_full_collections()
+    full = asyncio.create_task(FullCollections(lambda: bool(state.exchanges)).run())
     drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
     try:
         await asyncio.gather(*servers)
     finally:
         drain.cancel()
+        full.cancel()
+        restore_gc()
 
 
 async def _drain_on_exit(server, state, grace: float) -> None:

@@ -1,0 +1,64 @@
+"""The cycle collector's full collections, moved to where no stream feels them.
+
+CPython starts a full collection by itself once enough objects have survived the two
+younger generations. With hundreds of live streams that happens every few seconds, and each
+one stops the event loop for as long as scanning every object the requests hold takes:
+20-45 ms at 512 streams on the H200 host, which was the relay's p99.9 per-chunk delay
+(docs/RESULTS.md, section 3d). The proxy makes almost no cyclic garbage (a finished request
+leaves no reference cycle: tests/test_relay.py), so full collections have almost nothing to
+free. ``defer_full_collections`` turns the automatic ones off (the younger generations keep
+theirs: they are short), and ``FullCollections`` runs one when the proxy is idle, or, under
+load that never pauses, at most ``FULL_EVERY_S`` apart, so that the cycles an error path
+does make are still reclaimed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Callable
+
+FULL_EVERY_S = 300.0  # the longest a proxy that is never idle goes between full collections
+CHECK_EVERY_S = 1.0
+_NEVER = 1 << 30  # a third threshold no count reaches
+
+
+def defer_full_collections() -> Callable[[], None]:
+    """Stop the interpreter from starting full collections on its own. Returns what puts
+    its thresholds back."""
+    saved = gc.get_threshold()
+    gc.set_threshold(saved[0], saved[1], _NEVER)
+    return lambda: gc.set_threshold(*saved)
+
+
+def _promoted() -> bool:
+    """Objects reached the oldest generation since its last collection (CPython counts the
+    middle generation's collections since then)."""
+    return gc.get_count()[2] > 0
+
+
+class FullCollections:
+    """Runs a full collection when ``busy()`` is False (no request in progress) and objects
+    were promoted since the last one, or when ``every`` seconds have passed regardless."""
+
+    def __init__(self, busy: Callable[[], bool], every: float = FULL_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic, collect: Callable[[], object] = gc.collect,
+                 promoted: Callable[[], bool] = _promoted) -> None:
+        self.busy, self.every, self.clock, self.collect, self.promoted = busy, every, clock, collect, promoted
+        self.last = clock()
+
+    def tick(self) -> bool:
+        """Collect now if it is time. True: it collected."""
+        if not gc.isenabled() or not self.promoted():
+            return False
+        if self.busy() and self.clock() - self.last < self.every:
+            return False
+        self.collect()
+        self.last = self.clock()
+        return True
+
+    async def run(self, check_every: float = CHECK_EVERY_S) -> None:
+        while True:
+            await asyncio.sleep(check_every)
+            self.tick()
