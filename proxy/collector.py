@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import time
 from typing import Callable
 
@@ -26,7 +27,10 @@ _NEVER = 1 << 30  # a third threshold no count reaches
 
 def defer_full_collections() -> Callable[[], None]:
     """Stop the interpreter from starting full collections on its own. Returns what puts
-    its thresholds back."""
+    its thresholds back. Only on CPython before 3.14, whose three generations this knows;
+    elsewhere (3.14's incremental collector reads the thresholds otherwise) nothing changes."""
+    if sys.implementation.name != "cpython" or sys.version_info >= (3, 14):
+        return lambda: None
     saved = gc.get_threshold()
     gc.set_threshold(saved[0], saved[1], _NEVER)
     return lambda: gc.set_threshold(*saved)
