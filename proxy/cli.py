@@ -102,8 +102,8 @@ async def _serve(settings: Settings) -> None:
     # cycle collector's sight, a full collection scans only what requests made. With 512
     # streams, full collections over the startup heap stalled every stream 36-106 ms
     # (bench/relay_router.py; docs/RESULTS.md section 3). And full collections run only
-    # while no request is in progress, or every few minutes under load that never pauses
-    # (proxy/collector.py).
+    # while no request is in progress (at most every 10 s), or every few minutes under load
+    # that never pauses (proxy/collector.py).
     gc.collect()
     gc.freeze()
     state.metrics.watch_gc()

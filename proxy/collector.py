@@ -7,9 +7,9 @@ one stops the event loop for as long as scanning every object the requests hold 
 (docs/RESULTS.md, section 3d). The proxy makes almost no cyclic garbage (a finished request
 leaves no reference cycle: tests/test_relay.py), so full collections have almost nothing to
 free. ``defer_full_collections`` turns the automatic ones off (the younger generations keep
-theirs: they are short), and ``FullCollections`` runs one when the proxy is idle, or, under
-load that never pauses, at most ``FULL_EVERY_S`` apart, so that the cycles an error path
-does make are still reclaimed.
+theirs: they are short), and ``FullCollections`` runs one when the proxy is idle (at most
+every ``IDLE_GAP_S``), or, under load that never pauses, ``FULL_EVERY_S`` apart, so that the
+cycles an error path does make are still reclaimed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 FULL_EVERY_S = 300.0  # the longest a proxy that is never idle goes between full collections
+IDLE_GAP_S = 10.0  # the shortest gap between two (idle moments come and go under bursty load)
 CHECK_EVERY_S = 1.0
 _NEVER = 1 << 30  # a third threshold no count reaches
 
@@ -43,20 +44,23 @@ def _promoted() -> bool:
 
 
 class FullCollections:
-    """Runs a full collection when ``busy()`` is False (no request in progress) and objects
-    were promoted since the last one, or when ``every`` seconds have passed regardless."""
+    """Runs a full collection when objects were promoted since the last one and either
+    ``busy()`` is False (no request in progress) and ``gap`` seconds have passed, or
+    ``every`` seconds have passed regardless."""
 
-    def __init__(self, busy: Callable[[], bool], every: float = FULL_EVERY_S,
+    def __init__(self, busy: Callable[[], bool], every: float = FULL_EVERY_S, gap: float = IDLE_GAP_S,
                  clock: Callable[[], float] = time.monotonic, collect: Callable[[], object] = gc.collect,
                  promoted: Callable[[], bool] = _promoted) -> None:
-        self.busy, self.every, self.clock, self.collect, self.promoted = busy, every, clock, collect, promoted
+        self.busy, self.every, self.gap = busy, every, gap
+        self.clock, self.collect, self.promoted = clock, collect, promoted
         self.last = clock()
 
     def tick(self) -> bool:
         """Collect now if it is time. True: it collected."""
         if not gc.isenabled() or not self.promoted():
             return False
-        if self.busy() and self.clock() - self.last < self.every:
+        since = self.clock() - self.last
+        if since < self.gap or (since < self.every and self.busy()):
             return False
         self.collect()
         self.last = self.clock()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from proxy.collector import FULL_EVERY_S, FullCollections, defer_full_collections
+from proxy.collector import FULL_EVERY_S, IDLE_GAP_S, FullCollections, defer_full_collections
 
 
 def _full_collections_made_by(work) -> int:
@@ -55,14 +55,16 @@ class Clock:
 def test_full_collections_run_when_idle_or_after_every_seconds_when_busy():
     clock, runs = Clock(), []
     busy, promoted = [True], [True]
-    full = FullCollections(lambda: busy[0], every=300.0, clock=clock, collect=lambda: runs.append(clock.now),
-                           promoted=lambda: promoted[0])
+    full = FullCollections(lambda: busy[0], every=300.0, gap=10.0, clock=clock,
+                           collect=lambda: runs.append(clock.now), promoted=lambda: promoted[0])
     clock.now = 299.0
     assert not full.tick() and runs == []  # busy, and not yet every seconds
     busy[0] = False
     assert full.tick() and runs == [299.0]  # idle: now
+    clock.now = 305.0
+    assert not full.tick()  # idle again, but within gap of the last
+    clock.now = 309.5
     promoted[0] = False
-    clock.now = 299.5
     assert not full.tick()  # nothing promoted since: nothing to scan for
     promoted[0], busy[0] = True, True
     clock.now = 598.0
@@ -92,7 +94,7 @@ def test_the_serving_proxy_collects_in_full_once_idle():
             Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy") as gate:
         measure(gate.url, 64, 60, 0.005)  # objects promoted while the streams live
         after_load = full_collections(gate.url)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + IDLE_GAP_S + 10  # the gap counts from the proxy's start
         while full_collections(gate.url) == after_load and time.monotonic() < deadline:
             time.sleep(0.2)
         assert full_collections(gate.url) > after_load
