@@ -48,3 +48,19 @@ def test_a_ramps_ceiling_is_below_its_first_two_misses_in_a_row():
     ramp.record(10, False)
     with pytest.raises(ValueError):
         ramp.record(15, True)  # a relay that is done is not asked again
+
+
+def test_a_load_process_measures_with_its_cycle_collector_off(monkeypatch):
+    """The load generator's own full collections stalled its reads, and were counted as the
+    relay's delay: its collector is off while it measures, and back on after."""
+    import gc
+
+    from proxy.bench import overhead
+
+    async def part(*args):
+        return gc.isenabled()
+
+    monkeypatch.setattr(overhead, "_measure_part", part)
+    assert gc.isenabled()
+    assert overhead._part(("u", 1, 1, 0.01, False, 0, 1, 1)) is False
+    assert gc.isenabled()
