@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..collector import FullCollections, defer_full_collections
 from .report import environment, percentile, table, write_json
 from .services import Service
 
@@ -42,12 +43,23 @@ STAMP = b'"t":'
 
 
 # ---------------------------------------------------------------- the upstream
+_STREAMING = [0]  # streams in progress in this process
+
+
 async def stamp_app(scope, receive, send) -> None:
     """A raw ASGI app: POST .../completions streams ``max_tokens`` chunks, one every
-    ``interval`` seconds (body fields), each stamped with its write time."""
+    ``interval`` seconds (body fields), each stamped with its write time. Its full
+    collections wait for a moment with no stream, as the proxy's do (a pause between a
+    stamp and its write would count as the relay's delay)."""
     if scope["type"] == "lifespan":
+        gc.collect()
+        gc.freeze()
+        restore = defer_full_collections()
+        full = asyncio.create_task(FullCollections(lambda: _STREAMING[0] > 0).run())
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
+        full.cancel()
+        restore()
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["path"] != "/v1/chat/completions":
@@ -61,6 +73,14 @@ async def stamp_app(scope, receive, send) -> None:
         if not msg.get("more_body"):
             break
     body = json.loads(raw)
+    _STREAMING[0] += 1
+    try:
+        await _stream(body, send)
+    finally:
+        _STREAMING[0] -= 1
+
+
+async def _stream(body: dict, send) -> None:
     n, interval = body.get("max_tokens", 16), body.get("interval", 0.01)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     ticks = _Ticker.get(interval) if body.get("sync") else None
