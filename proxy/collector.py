@@ -3,8 +3,8 @@
 CPython starts a full collection by itself once enough objects have survived the two
 younger generations. With hundreds of live streams that happens every few seconds, and each
 one stops the event loop for as long as scanning every object the requests hold takes:
-20-45 ms at 512 streams on the H200 host, which was the relay's p99.9 per-chunk delay
-(docs/RESULTS.md, section 3d). The proxy makes almost no cyclic garbage (a finished request
+tens of milliseconds at 512 streams, every stream's chunk held that long (docs/RESULTS.md,
+section 3d). The proxy makes almost no cyclic garbage (a finished request
 leaves no reference cycle: tests/test_relay.py), so full collections have almost nothing to
 free. ``defer_full_collections`` turns the automatic ones off (the younger generations keep
 theirs: they are short), and ``FullCollections`` runs one when the proxy is idle (at most
