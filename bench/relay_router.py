@@ -34,6 +34,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -97,6 +98,23 @@ def gc_pauses(url: str) -> dict[str, float] | None:
         elif s.labels.get("le") == "0.005":
             out["over_5ms"] -= s.value
     return out
+
+
+def measure_relay(url: str | list[str], pids: list[int], streams: int, tokens: int, interval: float,
+                  procs: int = 1, gated: bool = False) -> dict:
+    """``measure`` through a relay, with the CPU of its processes ``pids`` over the turn (per
+    chunk, and per process as the share of a core it kept busy) and, where ``gated`` (one
+    prefill-gate at ``url``), the proxy's cycle-collector pauses in the turn."""
+    gc0 = gc_pauses(url) if gated else None
+    cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
+    row = measure(url, streams, tokens, interval, procs=procs)
+    wall = time.monotonic() - t0
+    cpu = sum(map(cpu_seconds, pids)) - cpu0 if pids else None
+    gc1 = gc_pauses(url) if gc0 is not None else None
+    row.update(cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6,
+               core_busy=None if cpu is None else cpu / wall / len(pids),
+               gc=None if gc1 is None else {k: gc1[k] - gc0[k] for k in gc1})
+    return row
 
 
 def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
@@ -167,14 +185,9 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 for name, (url, pid) in targets.items():
                     print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
-                    before = cpu_seconds(pid) if pid else 0.0
-                    gc_before = gc_pauses(url) if name.startswith("prefill-gate") else None
-                    row = measure(url, streams, args.tokens, interval, procs=args.load_procs)
-                    cpu = cpu_seconds(pid) - before if pid else None
-                    gc_after = gc_pauses(url) if gc_before is not None else None
-                    row["gc"] = None if gc_after is None else {k: gc_after[k] - gc_before[k] for k in gc_after}
-                    row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval,
-                               cpu_s=cpu, cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6)
+                    row = measure_relay(url, [pid] if pid else [], streams, args.tokens, interval,
+                                        args.load_procs, gated=name.startswith("prefill-gate"))
+                    row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval)
                     rows.append(row)
     print(table(rows, COLUMNS))
     ratios = cpu_ratios(rows)

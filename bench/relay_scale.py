@@ -37,14 +37,12 @@ import contextlib
 import os
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from proxy.bench.overhead import measure
 from proxy.bench.report import environment, table, write_json
 from proxy.bench.services import Service, free_port
-from relay_router import cpu_seconds, gc_pauses, router
+from relay_router import measure_relay, router
 
 ROUTER = "vllm-router"
 GATE = "prefill-gate"
@@ -65,20 +63,18 @@ def siblings(cpu: int) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def shape(streams: int, rate: float, seconds: float) -> tuple[int, int, float]:
+    """(streams, tokens, interval) of a turn: `streams` at `rate` chunks/s in all, each
+    stream long enough to run `seconds`."""
+    interval = streams / rate
+    return streams, max(32, round(seconds / interval)), interval
+
+
 def turn(url: str, pid: int | None, streams: int, rate: float, seconds: float, procs: int, gated: bool) -> dict:
     """One measurement: `streams` streams at `rate` chunks/s in all, through `url`."""
-    interval = streams / rate
-    tokens = max(32, round(seconds / interval))
-    cpu0, t0 = (cpu_seconds(pid) if pid else 0.0), time.monotonic()
-    gc0 = gc_pauses(url) if gated else None
-    row = measure(url, streams, tokens, interval, procs=procs)
-    wall = time.monotonic() - t0
-    cpu = cpu_seconds(pid) - cpu0 if pid else None
-    gc1 = gc_pauses(url) if gc0 is not None else None
-    row.update(rate=rate, streams=streams, tokens=tokens, cpu_s=cpu,
-               cpu_us_per_chunk=None if cpu is None else cpu / row["chunks"] * 1e6,
-               core_busy=None if cpu is None else cpu / wall,
-               gc=None if gc1 is None else {k: gc1[k] - gc0[k] for k in gc1})
+    streams, tokens, interval = shape(streams, rate, seconds)
+    row = measure_relay(url, [pid] if pid else [], streams, tokens, interval, procs, gated)
+    row.update(rate=rate, streams=streams, tokens=tokens)
     return row
 
 
@@ -171,23 +167,15 @@ def scale(args, cpus: list[int]) -> list[dict]:
             gates = [stack.enter_context(Service("serve", "--upstream", u.url, "--log-level", "warning",
                                                  name=f"proxy{i}", cpus={c}))
                      for i, (u, c) in enumerate(zip(ups, proxy_cpus))]
+            load = shape(args.streams * k, rate, args.seconds)
             for rnd in range(1, args.rounds + 1):
                 print(f"[scale] K={k} round {rnd}: {rate:.0f} chunks/s direct", file=sys.stderr)
-                d = measure([u.url for u in ups], args.streams * k, max(32, round(args.seconds * rate / (args.streams * k))),
-                            args.streams * k / rate, procs=procs)
+                d = measure_relay([u.url for u in ups], [], *load, procs)
                 d.update(part="scale", k=k, round=rnd, target="direct", rate=rate)
                 rows.append(d)
                 print(f"[scale] K={k} round {rnd}: {rate:.0f} chunks/s through {k} proxies", file=sys.stderr)
-                pids = [g.proc.pid for g in gates]
-                cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
-                p = measure([g.url for g in gates], args.streams * k,
-                            max(32, round(args.seconds * rate / (args.streams * k))), args.streams * k / rate,
-                            procs=procs)
-                cpu = sum(map(cpu_seconds, pids)) - cpu0
-                wall = time.monotonic() - t0
-                p.update(part="scale", k=k, round=rnd, target=GATE, rate=rate, cpu_s=cpu,
-                         cpu_us_per_chunk=cpu / p["chunks"] * 1e6, core_busy=cpu / wall / k,
-                         keeps_up=keeps_up(p, d))
+                p = measure_relay([g.url for g in gates], [g.proc.pid for g in gates], *load, procs)
+                p.update(part="scale", k=k, round=rnd, target=GATE, rate=rate, keeps_up=keeps_up(p, d))
                 rows.append(p)
     os.sched_setaffinity(0, set(cpus))
     return rows
