@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import logging
 import socket
 import sys
 import typing
 
-from .collector import FullCollections, defer_full_collections
+from . import collector
 from .settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("prefill_gate")
@@ -104,18 +103,14 @@ async def _serve(settings: Settings) -> None:
     # (bench/relay_router.py; docs/RESULTS.md section 3). And full collections run only
     # while no request is in progress (at most every 10 s), or every few minutes under load
     # that never pauses (proxy/collector.py).
-    gc.collect()
-    gc.freeze()
+    stop_collector = collector.manage(lambda: bool(state.exchanges))
     state.metrics.watch_gc()
-    restore_gc = defer_full_collections()
-    full = asyncio.create_task(FullCollections(lambda: bool(state.exchanges)).run())
     drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
     try:
         await asyncio.gather(*servers)
     finally:
         drain.cancel()
-        full.cancel()
-        restore_gc()
+        stop_collector()
 
 
 async def _drain_on_exit(server, state, grace: float) -> None:

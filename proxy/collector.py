@@ -70,3 +70,20 @@ class FullCollections:
         while True:
             await asyncio.sleep(check_every)
             self.tick()
+
+
+def manage(busy: Callable[[], bool]) -> Callable[[], None]:
+    """For a serving process, from its loop once it has started: what exists now lives as
+    long as the process, so it goes out of the collector's sight (``gc.freeze``: a full
+    collection then scans only what requests made); full collections are deferred and run
+    by ``FullCollections(busy)``. Returns what undoes it."""
+    gc.collect()
+    gc.freeze()
+    restore = defer_full_collections()
+    task = asyncio.get_running_loop().create_task(FullCollections(busy).run())
+
+    def stop() -> None:
+        task.cancel()
+        restore()
+
+    return stop

@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..collector import FullCollections, defer_full_collections
+from .. import collector
 from .report import environment, percentile, table, write_json
 from .services import Service
 
@@ -52,14 +52,10 @@ async def stamp_app(scope, receive, send) -> None:
     collections wait for a moment with no stream, as the proxy's do (a pause between a
     stamp and its write would count as the relay's delay)."""
     if scope["type"] == "lifespan":
-        gc.collect()
-        gc.freeze()
-        restore = defer_full_collections()
-        full = asyncio.create_task(FullCollections(lambda: _STREAMING[0] > 0).run())
+        stop_collector = collector.manage(lambda: _STREAMING[0] > 0)
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
-        full.cancel()
-        restore()
+        stop_collector()
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["path"] != "/v1/chat/completions":
