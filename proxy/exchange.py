@@ -493,10 +493,10 @@ class GatedExchange(Exchange):
         await self.end(send, body)
 
     async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle,
-                    writer: ChunkWriter | None = None) -> None:
-        """Every read of the upstream's body, cut into complete SSE events, through
-        ``observer`` to ``await handle(events, out)`` (out: the bytes the client gets); then
-        the checks of a clean end.
+                    writer: ChunkWriter | None = None, *, events: bool = False) -> None:
+        """Every read of the upstream's body through ``observer``, to ``await handle(out)``
+        (out: the bytes the client gets), or with ``events`` to ``await handle(events)`` (the
+        read cut into complete SSE events); then the checks of a clean end.
 
         The per-chunk path: with a ``writer`` (the client's socket, when nothing stands in
         the way of writing to it), bytes that arrive while this task waits are relayed in
@@ -508,7 +508,7 @@ class GatedExchange(Exchange):
             def direct(data: bytes) -> bool:
                 if not writer.ready():
                     return False
-                out = observer.filter(splitter.feed(data))
+                out = observer.take(data, splitter)
                 if out:
                     writer.write(out)
                 return True
@@ -516,11 +516,16 @@ class GatedExchange(Exchange):
             body_sink(resp, direct)
         with mapped_errors(upstream):
             while (raw := await read()) is not None:
-                events = splitter.feed(raw)
-                await handle(events, observer.filter(events))
+                if events:
+                    cut = splitter.feed(raw)
+                    observer.filter(cut)
+                    await handle(cut)
+                else:
+                    await handle(observer.take(raw, splitter))
         rest = splitter.flush()
         if rest:
-            await handle([rest], observer.filter([rest]))
+            out = observer.filter([rest])
+            await handle([rest] if events else out)
         self.usage = observer.usage
         if not observer.done:
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
@@ -529,7 +534,7 @@ class GatedExchange(Exchange):
         observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage)
         await self.start(send, 200, response_headers(resp.headers, upstream))
 
-        async def forward(events: list[bytes], out: bytes) -> None:
+        async def forward(out: bytes) -> None:
             if out:
                 await send_body(send, out, True)
 
@@ -544,7 +549,7 @@ class GatedExchange(Exchange):
         assembler = Assembler(self.req.endpoint)
         limit, seen = self.state.settings.max_upstream_body_bytes, 0
 
-        async def assemble(events: list[bytes], out: bytes) -> None:
+        async def assemble(events: list[bytes]) -> None:
             nonlocal seen
             for ev in events:
                 seen += len(ev)
@@ -557,7 +562,7 @@ class GatedExchange(Exchange):
                         raise UpstreamProtocolError(f"upstream {upstream} failed mid-generation: {obj['error']}")
                     assembler.add(obj)
 
-        await self._pump(resp, upstream, observer, assemble)
+        await self._pump(resp, upstream, observer, assemble, events=True)
         body = json.dumps(assembler.response()).encode()
         await self.start(send, 200, [(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())])

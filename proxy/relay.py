@@ -44,27 +44,19 @@ class SSESplitter:
     longer than ``limit`` bytes is an UpstreamProtocolError (a stream that never ends an
     event must not grow the proxy without bound)."""
 
-    __slots__ = ("_buf", "_scan", "_cr", "limit")
+    __slots__ = ("held", "_scan", "_cr", "limit")
 
     def __init__(self, limit: int = 8 * 1024 * 1024) -> None:
-        self._buf = bytearray()
-        self._scan = 0  # where to resume the search for an event's end in _buf
+        self.held = bytearray()
+        self._scan = 0  # where to resume the search for an event's end in held
         self._cr = False  # a CR was seen: look for CRLF blank lines too
         self.limit = limit
 
     def feed(self, data: bytes) -> list[bytes]:
-        # The usual read: one whole event, nothing held over, no CR (``_cut`` returns the same,
-        # in more steps; tests/test_relay.py holds the two equal).
-        if not self._buf and data.endswith(b"\n\n") and data.find(b"\n\n") == len(data) - 2 \
-                and b"\r" not in data:
-            return [data]
-        return self._cut(data)
-
-    def _cut(self, data: bytes) -> list[bytes]:
         cr = self._cr = self._cr or b"\r" in data
-        if self._buf:
-            self._buf += data
-            buf, pos = self._buf, self._scan
+        if self.held:
+            self.held += data
+            buf, pos = self.held, self._scan
         else:
             buf, pos = data, 0
         events = []
@@ -82,16 +74,16 @@ class SSESplitter:
         rest = len(buf) - start
         if rest > self.limit:
             raise UpstreamProtocolError(f"an upstream SSE event exceeds {self.limit} bytes (max_upstream_event_bytes)")
-        if buf is self._buf:
+        if buf is self.held:
             del buf[:start]
         elif rest:
-            self._buf = bytearray(buf[start:])
+            self.held = bytearray(buf[start:])
         self._scan = max(0, rest - 3)  # a blank line may straddle this feed and the next
         return events
 
     def flush(self) -> bytes:
-        rest = bytes(self._buf)
-        self._buf = bytearray()
+        rest = bytes(self.held)
+        self.held = bytearray()
         self._scan = 0
         return rest
 
@@ -144,24 +136,29 @@ class StreamObserver:
     saw_error: bool = False
     tokens: int = 0
 
+    def take(self, data: bytes, splitter: SSESplitter) -> bytes:
+        """One upstream read, cut by ``splitter`` and observed: the bytes to forward.
+
+        The usual read, one or more whole content chunks of a stream under way, is counted
+        without being cut: nothing held over from the last read, no CR, no blank line but
+        the events' ends, every event a ``data: {`` chunk with nothing ``filter`` looks for
+        (no [DONE], usage, error or empty choices). ``filter(splitter.feed(data))`` returns
+        and records the same, in more steps (tests/test_relay.py holds the two equal)."""
+        if self.first_at is not None and not splitter.held and data.endswith(b"\n\n") \
+                and data.startswith(b"data: {") and b"\r" not in data and b"\n\n\n" not in data \
+                and b'"usage"' not in data and b'"error"' not in data and b'"choices":[]' not in data:
+            n = data.count(b"\n\n")
+            if n == 1 or data.count(b"\n\ndata: {") == n - 1:
+                now = self.clock()
+                self.tokens += n
+                self.on_tokens(now - self.last_at, n)
+                self.last_at = now
+                return data
+        return self.filter(splitter.feed(data))
+
     def filter(self, events: list[bytes]) -> bytes:
         """Observe one read's events; return the bytes to forward (all of them but a usage
         chunk we asked for)."""
-        if len(events) == 1 and self.first_at is not None:
-            # The usual read: one content chunk of a stream already under way, with nothing
-            # ``_observe`` looks for (no [DONE], usage, error or empty choices); it would do
-            # the same, in more steps (tests/test_relay.py holds the two equal).
-            ev = events[0]
-            if ev.startswith(b"data: {") and b'"usage"' not in ev and b'"error"' not in ev \
-                    and b'"choices":[]' not in ev:
-                now = self.clock()
-                self.tokens += 1
-                self.on_tokens(now - self.last_at, 1)
-                self.last_at = now
-                return ev
-        return self._observe(events)
-
-    def _observe(self, events: list[bytes]) -> bytes:
         now = self.clock()
         dropped: list[int] = []
         n = 0  # content chunks after the first one

@@ -174,6 +174,7 @@ _EVENTS = st.sampled_from([
     ev({"error": {"message": "boom"}}), ev({"choices": [{"index": 0, "delta": {"content": "the \"error\" word"}}]}),
     ev({"choices": []}), b"data: [DONE]\n\n", b": a comment\n\n", b"data:{\"choices\":[{\"text\":\"t\"}]}\n\n",
     b"data: {\"choices\":[{\"text\":\"crlf\"}]}\r\n\r\n", b"event: ping\ndata: {}\n\n", b"\n\n",
+    b"\ndata: {\"choices\":[{\"text\":\"after a blank line\"}]}\n\n", b"data: {\"choices\":[{\"text\":\"a\"}]}\ndata: {}\n\n",
 ])
 
 
@@ -189,10 +190,10 @@ def _reads(groups, cuts, how):
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=8),
        st.lists(st.integers(0, 10_000), max_size=8), st.sampled_from(["groups", "cuts"]), st.booleans())
-def test_fast_paths_cut_and_observe_exactly_as_the_general_ones(groups, cuts, how, drop_usage):
-    """``SSESplitter.feed`` and ``StreamObserver.filter`` take a shortcut for the usual read
-    (one whole content chunk); over any events, read whole or in groups or cut anywhere, they
-    return and record exactly what their general paths (``_cut``, ``_observe``) do."""
+def test_the_fast_path_cuts_and_observes_exactly_as_the_general_one(groups, cuts, how, drop_usage):
+    """``StreamObserver.take`` counts the usual read (whole content chunks) without cutting
+    it; over any events, read whole or in groups or cut anywhere, it returns and records
+    exactly what ``filter(splitter.feed(data))`` does."""
     reads = _reads(groups, cuts, how)
     fast_split, slow_split = SSESplitter(), SSESplitter()
     now = [0.0]
@@ -206,10 +207,28 @@ def test_fast_paths_cut_and_observe_exactly_as_the_general_ones(groups, cuts, ho
     fast_obs, slow_obs = observer("fast"), observer("slow")
     for i, data in enumerate(reads):
         now[0] = i * 0.25
-        got, want = fast_split.feed(data), slow_split._cut(data)
-        assert got == want
-        assert fast_obs.filter(got) == slow_obs._observe(want)
+        assert fast_obs.take(data, fast_split) == slow_obs.filter(slow_split.feed(data))
     assert fast_split.flush() == slow_split.flush()
     assert log["fast"] == log["slow"]
     fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
     assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
+
+
+def test_the_fast_path_takes_runs_of_content_chunks_whole():
+    """What the fast path is for: one read of several content chunks is counted as such
+    without being cut (the splitter is never fed)."""
+    calls = []
+    obs = StreamObserver(lambda: None, lambda gap, n: calls.append(n), clock=lambda: 1.0)
+    fed = []
+
+    class Recording(SSESplitter):
+        def feed(self, data):
+            fed.append(data)
+            return super().feed(data)
+
+    split = Recording()
+    obs.take(ev(chunk("a")), split)  # the first content: through filter
+    fed.clear()
+    read = ev(chunk("b")) + ev(chunk("c")) + ev(chunk("d"))
+    assert obs.take(read, split) == read and obs.take(ev(chunk("e")), split) == ev(chunk("e"))
+    assert fed == [] and calls == [3, 1] and obs.tokens == 5
