@@ -133,7 +133,15 @@ def _protocol_class(header_timeout: float) -> type:
 
 
 def server_config(app: Any, settings: Settings, **kwargs: Any) -> uvicorn.Config:
-    """uvicorn's config for the proxy's listener, with every client bound from settings."""
+    """uvicorn's config for the proxy's listener, with every client bound from settings.
+
+    Below log level info nothing prints uvicorn's access log, but uvicorn would still format
+    each response's line (client address, quoted path); and the client's address behind a
+    trusted proxy (X-Forwarded-For) is only ever read by that line. Both go with it."""
+    level = kwargs.get("log_level", settings.log_level)
+    kwargs.setdefault("access_log", level.lower() in ("trace", "debug", "info") if isinstance(level, str)
+                      else level <= logging.INFO)
+    kwargs.setdefault("proxy_headers", kwargs["access_log"])
     return uvicorn.Config(app, http=_protocol_class(settings.client_header_timeout),
                           limit_concurrency=settings.max_client_connections,
                           timeout_keep_alive=settings.client_idle_timeout, **kwargs)

@@ -197,3 +197,16 @@ async def test_the_direct_path_leaves_no_reference_cycles():
             gc.set_debug(0)
             gc.garbage.clear()
     assert cyclic == []
+
+
+@pytest.mark.parametrize("level, logged", [("debug", True), ("info", True), ("warning", False), ("error", False)])
+def test_the_access_log_and_forwarded_addresses_are_made_only_where_they_print(level, logged):
+    """Below info nothing prints uvicorn's access log, so it is off (uvicorn formats each
+    response's line whenever it is on), and with it X-Forwarded-For, which only that line
+    reads. Asked for explicitly, either stays as asked."""
+    settings = make_state().settings
+    config = listener.server_config(None, settings, log_level=level)
+    assert (config.access_log, config.proxy_headers) == (logged, logged)
+    config = listener.server_config(None, settings, log_level=level, access_log=True, proxy_headers=True)
+    assert (config.access_log, config.proxy_headers) == (True, True)
+    assert listener.server_config(None, settings.model_copy(update={"log_level": level})).access_log is logged
