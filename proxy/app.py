@@ -140,6 +140,7 @@ HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Spellings that an upstream (or the client library on the way) may resolve to another path:
 # percent-encoded dots, slashes, backslashes and NULs.
 _ENCODED = re.compile(rb"%(2e|2f|5c|00)", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def path_refusal(path: str, raw_path: bytes | None) -> ProxyError | None:
@@ -147,8 +148,7 @@ def path_refusal(path: str, raw_path: bytes | None) -> ProxyError | None:
     routed by its one canonical spelling: dot segments, empty segments, backslashes, control
     characters and encoded separators are refused, so no spelling of a gated endpoint reaches
     the upstream through passthrough (which would resolve it there, ungated)."""
-    if _ENCODED.search(raw_path or b"") or "\\" in path or "//" in path \
-            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+    if _ENCODED.search(raw_path or b"") or "\\" in path or "//" in path or _CONTROL.search(path):
         return BadRequest("the request path is not in canonical form (encoded or doubled separators, "
                           "control characters)")
     if any(seg in (".", "..") for seg in path.split("/")):

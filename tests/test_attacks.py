@@ -131,6 +131,22 @@ async def test_no_spelling_of_a_path_reaches_around_the_gate(fake, path):
     assert not fake.requests
 
 
+@pytest.mark.parametrize("char", [chr(c) for c in range(0x20)] + ["\x7f"])
+def test_a_control_character_anywhere_in_the_path_is_refused(char):
+    from proxy.app import path_refusal
+
+    for path in (f"/v1/chat/completions{char}", f"/v1/{char}chat/completions", f"{char}/health"):
+        refused = path_refusal(path, path.encode())
+        assert refused is not None and refused.status == 400, repr(path)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models/caf\u00e9", "/v1/a~b-c_d", "/\x80\xa0"])
+def test_a_canonical_path_is_not_refused(path):
+    from proxy.app import path_refusal
+
+    assert path_refusal(path, path.encode("utf-8")) is None
+
+
 SEGMENTS = ["v1", "chat", "completions", "models", "tokenize", ".", "..", "%2e", "%2E", "%2f", "", "%00", "a"]
 
 
