@@ -34,6 +34,7 @@ from .fasthttp import body_reader
 from .upstream import mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
+_LF = ord("\n")
 
 
 class SSESplitter:
@@ -144,11 +145,13 @@ class StreamObserver:
         the events' ends, every event a ``data: {`` chunk with nothing ``filter`` looks for
         (no [DONE], usage, error or empty choices). ``filter(splitter.feed(data))`` returns
         and records the same, in more steps (tests/test_relay.py holds the two equal)."""
-        if self.first_at is not None and not splitter.held and data.endswith(b"\n\n") \
-                and data.startswith(b"data: {") and b"\r" not in data and b"\n\n\n" not in data \
+        # (Ordered for the hottest line of the proxy: each bytes method call costs more than
+        # its scan; an index is cheaper than endswith.)
+        if self.first_at is not None and not splitter.held and data.startswith(b"data: {") \
+                and data[-1] == data[-2] == _LF != data[-3] and b"\r" not in data \
                 and b'"usage"' not in data and b'"error"' not in data and b'"choices":[]' not in data:
-            n = data.count(b"\n\n")
-            if n == 1 or data.count(b"\n\ndata: {") == n - 1:
+            n = data.count(b"\n\n")  # 1: the blank line at the end is the only one
+            if n == 1 or (b"\n\n\n" not in data and data.count(b"\n\ndata: {") == n - 1):
                 now = self.clock()
                 self.tokens += n
                 self.on_tokens(now - self.last_at, n)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from proxy.relay import SSESplitter, StreamObserver, event_json, is_content
 
 
@@ -212,6 +214,45 @@ def test_the_fast_path_cuts_and_observes_exactly_as_the_general_one(groups, cuts
     assert log["fast"] == log["slow"]
     fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
     assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
+
+
+def _same_as_the_general_path(reads, drop_usage=False):
+    now = [0.0]
+    log = {"fast": [], "slow": []}
+
+    def observer(name):
+        return StreamObserver(lambda: log[name].append(("first", now[0])),
+                              lambda gap, n: log[name].append((gap, n)), drop_usage=drop_usage,
+                              clock=lambda: now[0])
+
+    fast_split, slow_split, fast_obs, slow_obs = SSESplitter(), SSESplitter(), observer("fast"), observer("slow")
+    for i, data in enumerate(reads):
+        now[0] = i * 0.25
+        assert fast_obs.take(data, fast_split) == slow_obs.filter(slow_split.feed(data)), (i, data)
+    assert fast_split.flush() == slow_split.flush()
+    assert log["fast"] == log["slow"]
+    fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
+    assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
+
+
+_A, _B = ev(chunk("a")), ev(chunk("b"))
+
+
+@pytest.mark.parametrize("reads", [
+    [_A, _A + b"\n", _B],  # a read ending in a blank line and one more LF: that LF is the next event's
+    [_A, _A + _B[:-1], b"\n"],  # the last event's blank line not complete: held over
+    [_A, _A + _B[:-2], b"\n\n"],
+    [_A, _A + b"\n" + _B],  # a blank line between events: the second starts with LF
+    [_A, _A + b"\n\n" + _B],  # an empty event between two
+    [_A, _A[:-1], b"\n" + _B],  # a blank line cut in two
+    [_A, b"\n" + _B],
+    [_A, _A + b": keep-alive\n\n" + _B],  # a comment between chunks
+    [_A, _A + b"data: [DONE]\n\n"],
+])
+def test_the_fast_path_at_the_edges_of_events(reads):
+    """Reads whose events the fast path must not take whole: a blank line's LF in the next
+    read, blank lines or comments between events, [DONE] behind a chunk."""
+    _same_as_the_general_path(reads)
 
 
 def test_the_fast_path_takes_runs_of_content_chunks_whole():
