@@ -185,9 +185,6 @@ class AdmissionPolicy:
         now = self.clock()
         return [t for t in self._queue if t.deadline <= now]
 
-    def large_in_flight(self, upstream: str) -> bool:
-        return self.upstreams[upstream].large_in_flight > 0
-
     def snapshot(self) -> Snapshot:
         return Snapshot(
             queue_depth=len(self._queue),

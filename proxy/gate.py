@@ -30,6 +30,10 @@ class Lease:
     def __init__(self, gate: "Gate", ticket: Ticket):
         self._gate = gate
         self.ticket = ticket
+        # Read per upstream read of the stream: its upstream's state, found once (again on a
+        # reroute), and whether its gaps feed the closed loop at all.
+        self._state = gate.policy.upstreams[ticket.upstream]
+        self.closed_loop = ticket.protected and gate.policy.limits.itl_slo is not None
 
     @property
     def upstream(self) -> str:
@@ -45,24 +49,24 @@ class Lease:
         admitted = self._gate.policy.reroute(self.ticket, tried)
         if admitted is None:
             return False
+        self._state = self._gate.policy.upstreams[self.ticket.upstream]
         self._gate._wake(admitted)  # the slot it left may start a queued request
         return True
 
     def token_gap(self, seconds: float, n: int = 1) -> None:
         """Gaps between content chunks of this stream, ``seconds`` then ``n - 1`` of 0 (one
-        read's chunks; feeds the closed loop). On the per-read path: the gate wakes only
-        when a window moved the budget."""
-        policy = self._gate.policy
-        if not self.ticket.protected or policy.limits.itl_slo is None:
+        read's chunks; feeds the closed loop, where ``closed_loop``). On the per-read path:
+        the gate wakes only when a window moved the budget."""
+        if not self.closed_loop:
             return
-        up = policy.upstreams[self.ticket.upstream]
+        up = self._state
         budget = up.budget_tokens
-        admitted = policy.observe_itl(up.name, seconds, n)
+        admitted = self._gate.policy.observe_itl(up.name, seconds, n)
         if admitted or up.budget_tokens != budget:
             self._gate._wake(admitted)
 
     def large_prefill_in_flight(self) -> bool:
-        return self._gate.policy.large_in_flight(self.ticket.upstream)
+        return self._state.large_in_flight > 0
 
     @property
     def slicing(self) -> bool:

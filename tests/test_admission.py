@@ -327,3 +327,26 @@ def test_reroute_frees_a_slot_that_starts_a_queued_prefill():
     assert p.submit(d) is Decision.QUEUED
     admitted = p.reroute(a, {failed})  # a moves onto c's upstream; its own slot frees
     assert admitted == [d] and d.upstream == failed
+
+
+async def test_a_lease_reads_its_own_upstreams_large_prefills_and_follows_a_reroute():
+    """The per-read question (is a large prefill in flight where this stream decodes?) is
+    answered from the live state of the lease's upstream, the one it moved to included."""
+    from proxy.gate import Gate
+
+    p, _ = policy(("u1", "u2"))
+    ticket = small()
+    ticket.prefer = "u1"
+    async with Gate(p).admission(ticket) as lease:
+        assert lease.upstream == "u1" and not lease.large_prefill_in_flight()
+        p.upstreams["u1"].large_in_flight = 1
+        assert lease.large_prefill_in_flight()
+        assert lease.reroute({"u1"}) and lease.upstream == "u2"
+        assert not lease.large_prefill_in_flight()
+        p.upstreams["u2"].large_in_flight = 1
+        assert lease.large_prefill_in_flight()
+        p.upstreams["u1"].large_in_flight = p.upstreams["u2"].large_in_flight = 0
+    assert not lease.closed_loop  # no itl_slo: the stream's gaps feed nothing
+    p2, _ = policy(("u1",), itl_slo=0.05)
+    async with Gate(p2).admission(small()) as lease2:
+        assert lease2.closed_loop
