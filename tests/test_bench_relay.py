@@ -12,11 +12,15 @@ from proxy.bench.overhead import load_plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _relay_scale():
-    spec = importlib.util.spec_from_file_location("relay_scale", ROOT / "bench" / "relay_scale.py")
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _relay_scale():
+    return _bench("relay_scale")
 
 
 def test_load_plan_splits_streams_evenly_and_gives_every_url_a_process():
@@ -64,3 +68,30 @@ def test_a_load_process_measures_with_its_cycle_collector_off(monkeypatch):
     assert gc.isenabled()
     assert overhead._part(("u", 1, 1, 0.01, False, 0, 1, 1)) is False
     assert gc.isenabled()
+
+
+def test_relay_read_times_reads_that_went_all_the_way_through():
+    """bench/relay_read.py: the reads it times reach the client's transport and are counted
+    by their streams, or it fails (a writer that is not ready leaves them queued)."""
+    import asyncio
+
+    bench = _bench("relay_read")
+    assert asyncio.run(bench._per_read(3, 2, 30)) > 0
+    bench._Flow.write_paused = True
+    try:
+        with pytest.raises(SystemExit, match="did not pass what it was fed"):
+            asyncio.run(bench._per_read(2, 1, 10))
+    finally:
+        bench._Flow.write_paused = False
+
+
+def test_relay_read_records_every_case_against_a_baseline(tmp_path):
+    import json
+
+    out = tmp_path / "read.json"
+    _bench("relay_read").main(["--streams", "1,2", "--events", "1,3", "--rounds", "2", "--reads", "20",
+                               "--baseline", str(ROOT), "--baseline-commit", "same", "--json", str(out)])
+    record = json.loads(out.read_text())
+    cases = {(r["target"], r["streams"], r["events"]) for r in record["rows"]}
+    assert len(cases) == 8 and all(len(r["samples_us"]) == 2 and r["us_min"] > 0 for r in record["rows"])
+    assert record["baseline"]["commit"] == "same" and "git_commit" in record
