@@ -189,34 +189,8 @@ def _reads(groups, cuts, how):
     return [stream[a:b] for a, b in zip(points, points[1:]) if b > a]
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=8),
-       st.lists(st.integers(0, 10_000), max_size=8), st.sampled_from(["groups", "cuts"]), st.booleans())
-def test_the_fast_path_cuts_and_observes_exactly_as_the_general_one(groups, cuts, how, drop_usage):
-    """``StreamObserver.take`` counts the usual read (whole content chunks) without cutting
-    it; over any events, read whole or in groups or cut anywhere, it returns and records
-    exactly what ``filter(splitter.feed(data))`` does."""
-    reads = _reads(groups, cuts, how)
-    fast_split, slow_split = SSESplitter(), SSESplitter()
-    now = [0.0]
-    log = {"fast": [], "slow": []}
-
-    def observer(name):
-        return StreamObserver(lambda: log[name].append(("first", now[0])),
-                              lambda gap, n: log[name].append((gap, n)), drop_usage=drop_usage,
-                              clock=lambda: now[0])
-
-    fast_obs, slow_obs = observer("fast"), observer("slow")
-    for i, data in enumerate(reads):
-        now[0] = i * 0.25
-        assert fast_obs.take(data, fast_split) == slow_obs.filter(slow_split.feed(data))
-    assert fast_split.flush() == slow_split.flush()
-    assert log["fast"] == log["slow"]
-    fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
-    assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
-
-
 def _same_as_the_general_path(reads, drop_usage=False):
+    """``take`` over ``reads`` returns and records exactly what ``filter(splitter.feed(data))`` does."""
     now = [0.0]
     log = {"fast": [], "slow": []}
 
@@ -233,6 +207,16 @@ def _same_as_the_general_path(reads, drop_usage=False):
     assert log["fast"] == log["slow"]
     fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
     assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=8),
+       st.lists(st.integers(0, 10_000), max_size=8), st.sampled_from(["groups", "cuts"]), st.booleans())
+def test_the_fast_path_cuts_and_observes_exactly_as_the_general_one(groups, cuts, how, drop_usage):
+    """``StreamObserver.take`` counts the usual read (whole content chunks) without cutting
+    it; over any events, read whole or in groups or cut anywhere, it returns and records
+    exactly what ``filter(splitter.feed(data))`` does."""
+    _same_as_the_general_path(_reads(groups, cuts, how), drop_usage)
 
 
 _A, _B = ev(chunk("a")), ev(chunk("b"))
