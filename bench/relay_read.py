@@ -61,6 +61,25 @@ class _Cycle:
         self.flow, self.transport, self.scope = _Flow(), _Transport(), {"method": "POST"}
 
 
+def _direct(writer, observer, splitter):
+    """The callback the relay installs on the upstream connection: the code's own, or for a
+    checkout from before ``direct_relay`` (2fab5de and older) what its ``_pump`` wrote inline."""
+    import proxy.exchange
+
+    if hasattr(proxy.exchange, "direct_relay"):
+        return proxy.exchange.direct_relay(writer, observer, splitter)
+
+    def direct(data: bytes) -> bool:
+        if not writer.ready():
+            return False
+        out = observer.filter(splitter.feed(data))
+        if out:
+            writer.write(out)
+        return True
+
+    return direct
+
+
 async def _per_read(streams: int, events: int, reads: int) -> float:
     """Seconds of one read, the best of 7 passes over ``reads`` reads. Fails unless every
     chunk fed reached the client's transport and was counted by its stream."""
@@ -89,24 +108,13 @@ async def _per_read(streams: int, events: int, reads: int) -> float:
         exchange.lease = Lease(state.gate, ticket)
         observer = exchange.observer = StreamObserver(exchange._first_content, exchange._tokens, drop_usage=True)
         splitter, writer = SSESplitter(), ChunkWriter(_Cycle())
-        take = getattr(observer, "take", None)  # (older code: filter(feed))
-
-        def direct(data: bytes, writer=writer, observer=observer, splitter=splitter, take=take) -> bool:
-            # as the callback GatedExchange._pump installs
-            if not writer.ready():
-                return False
-            out = take(data, splitter) if take else observer.filter(splitter.feed(data))
-            if out:
-                writer.write(out)
-            return True
-
         conn = _Connection(("http", "upstream.invalid", 8000))
         conn.connection_made(_Transport())
         conn._loop, conn._wait_timeout = loop, 600.0
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         conn.waiter = loop.create_future()
         conn._timer = loop.call_at(loop.time() + 600, lambda: None)
-        conn.sink = direct
+        conn.sink = _direct(writer, observer, splitter)
         conn.data_received(_wire(EVENT))  # the first content: the stream is under way
         conns.append(conn)
         observers.append(observer)

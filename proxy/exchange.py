@@ -312,6 +312,21 @@ async def slice_window_end(predictor: "Predictor", upstream: str, window: "GapWi
     return predictor.window_max(upstream, window)
 
 
+def direct_relay(writer: ChunkWriter, observer: StreamObserver, splitter: SSESplitter):
+    """The direct path's callback for the upstream connection (``fasthttp.body_sink``): one
+    read, observed, written to the client's socket; False (left queued for the relay's task)
+    while the writer is not ready."""
+    def direct(data: bytes) -> bool:
+        if not writer.ready():
+            return False
+        out = observer.take(data, splitter)
+        if out:
+            writer.write(out)
+        return True
+
+    return direct
+
+
 class GatedExchange(Exchange):
     def __init__(self, state: "AppState", req: GatedRequest):
         super().__init__(state.exchanges, state.settings.max_request_seconds)
@@ -505,15 +520,7 @@ class GatedExchange(Exchange):
         splitter = SSESplitter(self.state.settings.max_upstream_event_bytes)
         read = body_reader(resp)
         if writer is not None:
-            def direct(data: bytes) -> bool:
-                if not writer.ready():
-                    return False
-                out = observer.take(data, splitter)
-                if out:
-                    writer.write(out)
-                return True
-
-            body_sink(resp, direct)
+            body_sink(resp, direct_relay(writer, observer, splitter))
         with mapped_errors(upstream):
             while (raw := await read()) is not None:
                 if events:
