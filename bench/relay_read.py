@@ -133,7 +133,7 @@ async def _per_read(streams: int, events: int, reads: int) -> float:
     gc.enable()
     fed = 7 * passes * streams
     counted = sum(o.tokens for o in observers) - streams  # (less each first content)
-    if _Transport.written != fed * len(_wire(EVENT * events)) or counted != fed * events:
+    if _Transport.written != fed * len(read) or counted != fed * events:
         raise SystemExit(f"the relay did not pass what it was fed: {_Transport.written} bytes written, "
                          f"{counted} chunks counted, for {fed} reads of {events} chunks")
     return best
