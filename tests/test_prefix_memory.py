@@ -2,6 +2,12 @@
 a turn that adds a long tool result is a large prefill."""
 
 import asyncio
+import json
+import pickle
+import random
+import struct
+
+import pytest
 
 from conftest import hold_stream, proxy_client
 
@@ -20,6 +26,55 @@ def test_hashes_chain_and_identify_prefixes():
     c = prefix_hashes(msgs("q", "y", "z"))
     assert a[:2] == b[:2] and a[2] != b[2]
     assert a[1] != c[1]  # same second message, other history
+
+
+def _conversation(rnd, n):
+    """Chat messages of the shapes agents send: plain text, content parts (the same keys over
+    and over), tool calls, one-character strings, non-ASCII and emoji, numbers, null."""
+    texts = ["a", "é", "한국어 텍스트", "emoji 😀 here", "x" * 300, "line\nbreak \"quoted\"", ""]
+    out = []
+    for i in range(n):
+        kind = rnd.randrange(3)
+        if kind == 0:
+            out.append({"role": "user", "content": rnd.choice(texts) + str(i)})
+        elif kind == 1:
+            out.append({"role": "user", "content": [{"type": "text", "text": rnd.choice(texts)}
+                                                    for _ in range(rnd.randint(1, 4))]})
+        else:
+            out.append({"role": "assistant", "content": None, "weight": rnd.choice([1, 2.5, True, 0.1]),
+                        "tool_calls": [{"id": f"c{i}", "type": "function",
+                                        "function": {"name": "f", "arguments": rnd.choice(texts)}}]})
+    return out
+
+
+def _sent(rnd, messages):
+    """``messages`` as some client writes them, parsed back as the proxy parses them."""
+    style = rnd.choice([{}, {"ensure_ascii": False}, {"separators": (",", ":")}, {"indent": 2}])
+    return json.loads(json.dumps({"model": "m", "messages": messages}, **style).encode())["messages"]
+
+
+def test_a_message_hashes_the_same_in_every_turn_however_the_json_was_written():
+    rnd = random.Random(7)
+    for _ in range(200):
+        conv = _conversation(rnd, rnd.randint(2, 12))
+        k = rnd.randint(1, len(conv) - 1)
+        turn1, turn2 = prefix_hashes(_sent(rnd, conv[:k])), prefix_hashes(_sent(rnd, conv))
+        assert turn2[:k] == turn1
+        changed = json.loads(json.dumps(conv))
+        changed[k - 1]["role"] += "!"
+        assert prefix_hashes(_sent(rnd, changed))[k - 1] != turn1[k - 1]
+
+
+def test_a_lone_surrogate_raises_and_lookalike_bytes_do_not():
+    with pytest.raises(UnicodeEncodeError):
+        prefix_hashes(json.loads(b'[{"role":"user","content":"x\\ud800"}]'))
+    with pytest.raises(UnicodeEncodeError):
+        prefix_hashes([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}])
+    # Pickled, a number and Korean text can hold the bytes a surrogate would: not refused.
+    lookalike = struct.unpack(">d", b"\x3f\xf0\xed\xa0\x00\x00\x00\x00")[0]
+    assert b"\xed\xa0" in pickle.dumps(lookalike, protocol=5)
+    messages = json.loads(json.dumps([{"role": "user", "content": "한", "w": lookalike}]))
+    assert len(prefix_hashes(messages)) == 1
 
 
 def test_longest_prefix_excludes_the_newest_message_and_picks_the_best_upstream():
