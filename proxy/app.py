@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import AdmissionPolicy, Limits, Slicing
 from .auth import OPEN_PATHS, KeyCheck
+from .bodies import BodyOptions, BodyReader
 from .errors import (
     BadRequest,
     HeadersTooLarge,
@@ -74,6 +75,15 @@ def _exact_counter(settings: Settings, client: UpstreamClient, state_ref: list) 
 
         return UpstreamTokenizeCounter(post)
     return None
+
+
+def body_reader(settings: Settings) -> BodyReader:
+    def options(endpoint: str) -> BodyOptions:
+        return BodyOptions(endpoint, settings.max_messages, settings.max_json_containers, settings.max_json_depth,
+                           settings.protect_non_streaming, settings.slicing != "off", settings.upstream_tokenize)
+
+    return BodyReader({e: options(e) for e in ("chat", "completions")}, settings.offload_body_bytes,
+                      settings.body_workers)
 
 
 def build_state(
@@ -127,7 +137,7 @@ def build_state(
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
                      Routing(settings.upstreams, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
-                     predictor=predictor)
+                     predictor=predictor, bodies=body_reader(settings))
     policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
@@ -216,6 +226,7 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            state.bodies.close()
             await state.client.aclose()
 
     app = FastAPI(title="prefill-gate", version="0.1.0", lifespan=lifespan)

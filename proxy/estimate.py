@@ -37,6 +37,9 @@ class PromptShape:
     token_ids: int | None = None  # exact count when the prompt is token ids
     messages: list | None = None  # for the upstream's /tokenize
     prompt: Any = None
+    # That /tokenize request as JSON, where the body was read in a worker (bodies.py) and the
+    # messages stayed there.
+    tokenize_json: bytes | None = None
 
     @property
     def n_bytes(self) -> int:
@@ -87,6 +90,17 @@ def shape_of(body: dict, endpoint: str) -> PromptShape:
         return PromptShape("", 0, token_ids=sum(len(x) for x in prompt), prompt=prompt)
     _content_text(prompt, parts)
     return PromptShape("\n".join(parts), 0, prompt=prompt)
+
+
+def message_bytes(messages: list) -> list[int]:
+    """Each chat message's text, in UTF-8 bytes (what the estimate of its tokens reads)."""
+    out = []
+    for m in messages:
+        parts: list[str] = []
+        if isinstance(m, dict):
+            _content_text(m.get("content"), parts)
+        out.append(sum(len(p.encode("utf-8", "surrogatepass")) for p in parts))
+    return out
 
 
 class Calibrator:
@@ -174,16 +188,19 @@ class TiktokenCounter(_LocalCounter):
 class UpstreamTokenizeCounter:
     """Asks the upstream's ``/tokenize`` (vLLM): exact, chat template included."""
 
-    def __init__(self, post_tokenize: Callable[[dict], Awaitable[dict]]):
+    def __init__(self, post_tokenize: Callable[[dict | bytes], Awaitable[dict]]):
         self._post = post_tokenize
 
     async def count(self, shape: PromptShape, model: str) -> int:
-        req: dict[str, Any] = {"model": model}
-        if shape.messages is not None:
-            req["messages"] = shape.messages
+        if shape.tokenize_json is not None:  # read in a worker: the request came back encoded
+            data = await self._post(shape.tokenize_json)
         else:
-            req["prompt"] = shape.prompt if isinstance(shape.prompt, str) else shape.text
-        data = await self._post(req)
+            req: dict[str, Any] = {"model": model}
+            if shape.messages is not None:
+                req["messages"] = shape.messages
+            else:
+                req["prompt"] = shape.prompt if isinstance(shape.prompt, str) else shape.text
+            data = await self._post(req)
         count = data.get("count")
         if not isinstance(count, int):
             raise ValueError("upstream /tokenize answered without an integer 'count'")
@@ -223,14 +240,12 @@ class Estimator:
                 log.warning("exact token count failed (%s: %s); using the calibrated estimate", type(exc).__name__, exc)
         return Estimate(cheap - cached, "calibrated", n_bytes, shape.n_messages, cached)
 
-    def message_tokens(self, messages: list, model: str) -> list[int]:
-        """Cumulative estimated tokens of each message-list prefix (for the prefix memory)."""
+    def prefix_tokens(self, message_bytes: list[int], model: str) -> list[int]:
+        """Cumulative estimated tokens of each message-list prefix (for the prefix memory),
+        from each message's text bytes (``message_bytes``)."""
         out, total = [], 0
-        for m in messages:
-            parts: list[str] = []
-            if isinstance(m, dict):
-                _content_text(m.get("content"), parts)
-            total += self.calibrator.estimate(model, sum(len(p.encode("utf-8", "surrogatepass")) for p in parts), 1)
+        for n in message_bytes:
+            total += self.calibrator.estimate(model, n, 1)
             out.append(total)
         return out
 

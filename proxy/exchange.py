@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import httpx
 
 from .admission import RequestClass, Slicing, Ticket
-from .assemble import Assembler, convertible
+from .assemble import Assembler
+from .bodies import RequestBody
 from .errors import BadRequest, BodyTooLarge, UpstreamProtocolError, UpstreamUnavailable
-from .estimate import Estimate, shape_of
+from .estimate import Estimate
 from .fasthttp import body_reader, body_sink
 from .listener import ChunkWriter, chunk_writer
 from .labels import ErrorKind, OutcomeKind
-from .prefix_memory import prefix_hashes
 from .relay import (
     DONE_EVENT,
     Exchange,
@@ -37,7 +37,7 @@ from .relay import (
     relay_raw,
     send_body,
 )
-from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices, tokenize_payload
+from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices
 from .upstream import UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
@@ -67,82 +67,6 @@ async def read_body(request: "Request", limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
-    if name not in body:
-        if required:
-            raise BadRequest(f"'{name}' is a required property", param=name)
-        return
-    value = body[name]
-    if value is None and not required:
-        return
-    if int in types and isinstance(value, float) and value.is_integer():
-        return  # 5.0 is an integer to JSON Schema, and to vLLM's validation
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        want = " or ".join(t.__name__ for t in types)
-        raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
-
-
-def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containers: int = 200_000,
-               max_depth: int = 128) -> dict:
-    """The body as JSON, after bounds that keep its cost to the event loop bounded: the
-    containers are counted before parsing (every '{' and '[', in strings too: an over-count
-    that only errs on the safe side), the nesting after it (where the count allows any), the
-    messages before anything walks them."""
-    containers = raw.count(b"{") + raw.count(b"[")
-    if containers > max_containers:
-        raise BadRequest(f"request body has {containers} JSON objects and arrays (or braces in its text); "
-                         f"the limit is {max_containers} (max_json_containers)")
-    try:
-        body = json.loads(raw)  # (nesting past the recursion limit: prepare() answers 400)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if containers > max_depth and _deeper_than(body, max_depth):
-        raise BadRequest(f"request body nests JSON objects and arrays more than {max_depth} deep (max_json_depth)")
-    _check(body, "model", (str,))
-    _check(body, "stream", (bool,))
-    _check(body, "stream_options", (dict,))
-    _check(body, "max_tokens", (int,))
-    _check(body, "priority", (int,))
-    if endpoint == "chat":
-        _check(body, "messages", (list,), required=True)
-        if len(body["messages"]) > max_messages:
-            raise BadRequest(f"{len(body['messages'])} messages; the limit is {max_messages} (max_messages)",
-                             param="messages")
-        for i, m in enumerate(body["messages"]):
-            if not isinstance(m, dict):
-                raise BadRequest(f"messages[{i}] must be an object", param="messages")
-    else:
-        _check(body, "prompt", (str, list), required=True)
-    return body
-
-
-def with_member(raw: bytes, member: bytes) -> bytes | None:
-    """``raw``, a JSON object in UTF-8 known to lack ``member``'s key, with ``member``
-    appended: the client's bytes otherwise as they came (no re-encoding of a long prompt).
-    None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
-    body = raw.strip(b" \t\r\n")
-    if not (body.startswith(b"{") and body.endswith(b"}")):
-        return None
-    inner = body[:-1].rstrip(b" \t\r\n")
-    return inner + (b"" if inner == b"{" else b",") + member + b"}"
-
-
-def _deeper_than(value: dict | list, limit: int) -> bool:
-    """Whether containers nest more than ``limit`` deep (level by level, no recursion)."""
-    level, depth = [value], 0
-    while level:
-        depth += 1
-        if depth > limit:
-            return True
-        below = []
-        for v in level:
-            below.extend(x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list)
-        level = below
-    return False
-
-
 def classify(estimate: Estimate, threshold: int, override: str | None, allowed: str = "any") -> RequestClass:
     """The class from the estimate, or from the client's header where ``allowed`` lets it:
     ``any``, ``large`` (a client may hold itself, never skip the gate) or ``off``."""
@@ -156,9 +80,10 @@ def classify(estimate: Estimate, threshold: int, override: str | None, allowed: 
     return asked if allowed == "any" or asked is RequestClass.LARGE else cls
 
 
-def priority_of(body: dict, header: str | None) -> int:
+def priority_of(priority: int, header: str | None) -> int:
+    """The header's priority where it is set, else the body's."""
     if header is None:
-        return int(body.get("priority") or 0)
+        return priority
     try:
         return int(header)
     except ValueError:
@@ -197,55 +122,31 @@ class GatedRequest:
     prefixes: list[bytes] | None = None  # chat: hashes of the message-list prefixes
     prefix_tokens: list[int] | None = None  # and their cumulative estimated tokens
     max_tokens: int | None = None
-    slice_payload: dict | None = None  # the /tokenize request for its ids (sliceable requests)
+    slice_payload: dict | bytes | None = None  # the /tokenize request for its ids (sliceable requests)
     cache_salt: str | None = None
     token_ids: Sequence[int] | None = None  # slicing auto: counted exactly on arrival, reused by the slicer
 
 
 async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
-    """Receive, estimate, classify. Whatever the body holds, this answers a GatedRequest or a
-    BadRequest: text no encoder takes (a lone surrogate) or nesting past Python's recursion
-    limit in a field the proxy re-encodes becomes a 400, not a 500."""
+    """Receive, read (``bodies``: a big body in a worker process), estimate, classify:
+    a GatedRequest or a BadRequest."""
     received_at = time.monotonic()
     raw = await read_body(request, state.settings.max_body_bytes)
-    try:
-        return await _prepare(state, request, endpoint, raw, received_at)
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except UnicodeError as exc:
-        raise BadRequest(f"request body holds text that is not valid Unicode: {exc.reason}") from None
+    body = await state.bodies.read(raw, endpoint)
+    return await _prepare(state, request, endpoint, body, received_at)
 
 
-async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: bytes,
+async def _prepare(state: "AppState", request: "Request", endpoint: str, body: RequestBody,
                    received_at: float) -> GatedRequest:
     settings = state.settings
-    body = parse_body(raw, endpoint, settings.max_messages, settings.max_json_containers, settings.max_json_depth)
-    model = body.get("model") or ""
-    salt = body.get("cache_salt")
-    salt = salt if isinstance(salt, str) else None
-    prefixes = prefix_hashes(body["messages"], salt) if endpoint == "chat" else None
+    model, prefixes = body.model, body.prefixes
     hit = state.prefix_memory.longest(prefixes) if prefixes else None
-    estimate = await state.estimator.estimate(shape_of(body, endpoint), model, cached=hit.tokens if hit else 0)
-    cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
-                   state.settings.class_header)
-    streaming = bool(body.get("stream"))
-    assemble = not streaming and state.settings.protect_non_streaming and convertible(body)
-    drop_usage = False
-    if assemble:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        raw = json.dumps(body).encode()
-    elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
-        appended = None if "stream_options" in body else with_member(raw, b'"stream_options":{"include_usage":true}')
-        if appended is None:
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            appended = json.dumps(body).encode()
-        raw = appended
-        drop_usage = True
+    estimate = await state.estimator.estimate(body.shape, model, cached=hit.tokens if hit else 0)
+    cls = classify(estimate, settings.large_prefill_tokens, request.headers.get(CLASS_HEADER), settings.class_header)
     slice_payload = token_ids = None
-    if cls is RequestClass.LARGE and state.settings.slicing != Slicing.OFF:
-        slice_payload = tokenize_payload(body, endpoint)
-    if slice_payload is not None and state.settings.slicing == Slicing.AUTO:
+    if cls is RequestClass.LARGE and settings.slicing != Slicing.OFF:
+        slice_payload = body.tokenize
+    if slice_payload is not None and settings.slicing == Slicing.AUTO:
         # Auto weighs holding against slicing by the prompt's tokens: count them exactly
         # (slicing needs the ids anyway), so that a tokenizer far from the calibrated
         # bytes-per-token cannot make it misjudge (an estimate of 7,153 for a 28,600-token
@@ -255,38 +156,37 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, raw: by
             state.estimator.observe(model, estimate, len(token_ids))
             cached = min(estimate.cached, len(token_ids))
             estimate = Estimate(len(token_ids) - cached, "exact", estimate.n_bytes, estimate.n_messages, cached)
-            cls = classify(estimate, state.settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
-                           state.settings.class_header)
+            cls = classify(estimate, settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
+                           settings.class_header)
             if cls is not RequestClass.LARGE:  # smaller than estimated: nothing to hold or slice
                 slice_payload = token_ids = None
     ticket = Ticket(
         cls=cls,
         tokens=estimate.tokens,
-        protected=streaming or assemble,  # a phase the proxy cannot see cannot be protected
-        priority=priority_of(body, request.headers.get(PRIORITY_HEADER)),
+        protected=body.streaming or body.assemble,  # a phase the proxy cannot see cannot be protected
+        priority=priority_of(body.priority, request.headers.get(PRIORITY_HEADER)),
         prefer=hit.upstream if hit else None,  # keep a conversation where its prefix is cached
         sliceable=slice_payload is not None,
-        bytes=len(raw),
+        bytes=len(body.content),
     )
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
     state.metrics.cached_tokens.observe(estimate.cached)
-    prefix_tokens = state.estimator.message_tokens(body["messages"], model) if prefixes else None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return GatedRequest(endpoint, request.scope["path"], dict(request.headers), raw, model, streaming, drop_usage,
-                        estimate, ticket, received_at, assemble, prefixes, prefix_tokens,
-                        max_tokens if isinstance(max_tokens, int) else None, slice_payload, salt, token_ids)
+    prefix_tokens = state.estimator.prefix_tokens(body.message_bytes, model) if body.message_bytes is not None else None
+    return GatedRequest(endpoint, request.scope["path"], dict(request.headers), body.content, model, body.streaming,
+                        body.drop_usage, estimate, ticket, received_at, body.assemble, prefixes, prefix_tokens,
+                        body.max_tokens, slice_payload, body.salt, token_ids)
 
 
-async def fetch_token_ids(state: "AppState", payload: dict, upstream: str,
+async def fetch_token_ids(state: "AppState", payload: dict | bytes, upstream: str,
                           timeout: float | None = None) -> Sequence[int] | None:
     """The prompt's exact token ids from the upstream's ``/tokenize`` (``payload`` from
     ``slicer.tokenize_payload``), as a compact array; None when it cannot say (in
     ``timeout`` seconds, default ``read_timeout``)."""
-    if "ids" in payload:
+    if isinstance(payload, dict) and "ids" in payload:
         return payload["ids"]
     try:
         status, body = await state.client.request_bytes(
-            upstream, "POST", "/tokenize", json.dumps(payload).encode(),
+            upstream, "POST", "/tokenize", payload if isinstance(payload, bytes) else json.dumps(payload).encode(),
             limit=TOKEN_IDS_LIMIT_FACTOR * state.settings.max_body_bytes,
             timeout=state.settings.read_timeout if timeout is None else timeout)
         if status != 200:

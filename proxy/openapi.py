@@ -4,7 +4,7 @@
 (`GateApp`), before FastAPI routes anything, so FastAPI cannot describe them by itself.
 These models describe what the proxy reads from a request; every other field passes
 through to vLLM untouched (`extra="allow"`). They validate nothing at run time: the hot
-path checks the fields it uses (`exchange.parse_body`) and leaves the rest to vLLM.
+path checks the fields it uses (`bodies.parse_body`) and leaves the rest to vLLM.
 """
 
 from __future__ import annotations

@@ -142,7 +142,17 @@ class Settings(BaseModel):
     max_json_containers: int = Field(
         200_000, ge=100,
         description="Most JSON objects and arrays in one request body (400 above; counted as '{' and '[' "
-        "bytes, strings included), so no body costs the event loop more than a bounded parse.",
+        "bytes, strings included), so that no body costs a body reader more than a bounded parse.",
+    )
+    offload_body_bytes: int = Field(
+        64 * 1024, ge=0,
+        description="Request bodies of this many bytes or more are parsed and read in a worker process "
+        "(body_workers), not on the event loop that relays every stream (0: every body).",
+    )
+    body_workers: int = Field(
+        2, ge=0, le=64,
+        description="Worker processes that read big request bodies, started with the first (0: every body "
+        "is read on the event loop).",
     )
     max_json_depth: int = Field(
         128, ge=8, le=900,

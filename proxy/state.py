@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .admission import AdmissionPolicy, Ticket, UpstreamState
 from .auth import KeyCheck
+from .bodies import BodyReader
 from .capabilities import Capabilities
 from .estimate import Estimator
 from .gate import Gate
@@ -35,6 +36,7 @@ class AppState:
     keys: KeyCheck | None = None
     exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
     predictor: Predictor | None = None
+    bodies: BodyReader | None = None
 
     @property
     def health(self) -> dict[str, bool]:

@@ -214,10 +214,15 @@ class UpstreamClient:
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"upstream {upstream}{path} did not answer within {timeout:g} s") from None
 
-    async def post_json(self, upstream: str, path: str, payload: dict, timeout: float | None = None) -> dict:
+    async def post_json(self, upstream: str, path: str, payload: dict | bytes, timeout: float | None = None) -> dict:
+        """POST ``payload`` (a dict, or its JSON already encoded) and read a JSON answer."""
+        headers = request_headers({"content-type": "application/json"} if isinstance(payload, bytes) else {},
+                                  self.api_key)
         with mapped_errors(upstream):
-            resp = await self._client.post(upstream + path, json=payload, timeout=timeout,
-                                           headers=request_headers({}, self.api_key))
+            if isinstance(payload, bytes):
+                resp = await self._client.post(upstream + path, content=payload, timeout=timeout, headers=headers)
+            else:
+                resp = await self._client.post(upstream + path, json=payload, timeout=timeout, headers=headers)
         if resp.status_code != 200:
             raise UpstreamProtocolError(f"upstream {upstream}{path} answered {resp.status_code}")
         try:

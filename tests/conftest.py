@@ -148,8 +148,11 @@ async def proxy_client(fake, **settings):
     """The app on an in-memory ASGI transport, over the fake upstream: (client, state)."""
     state = make_state(httpx.MockTransport(fake), **settings)
     app = create_app(state, health_checks=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test") as client:
-        yield client, state
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test") as client:
+            yield client, state
+    finally:
+        state.bodies.close()  # (the lifespan's part, which the in-memory transport does not run)
 
 
 @contextlib.asynccontextmanager

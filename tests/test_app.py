@@ -17,7 +17,7 @@ from conftest import (
     serve,
 )
 
-from proxy.exchange import with_member
+from proxy.bodies import with_member
 
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):

@@ -1,0 +1,253 @@
+"""Reading a request body: what the gate needs of it, and off the event loop when it is big.
+
+Everything ``prepare`` needs of a chat or completions body (its bounds checked, the prompt's
+shape, the prefix hashes, the bytes to send upstream) is one pure function, ``read``. The
+event loop relays every live stream, and each of them waits while it parses: a megabyte of
+agent context cost it 5-15 ms, a body of 150,000 JSON containers (under the 200,000 bound)
+0.5-1 s (``bench/big_bodies.py``). A thread would not help: json.loads holds the GIL from
+start to end. So ``BodyReader`` reads a body of ``offload_body_bytes`` or more in a worker
+process, and the loop pays for a copy of the bytes each way. What comes back is never the
+parsed body (unpickling it would cost the loop about what parsing did) but the facts, and
+the JSON the rarer paths send upstream, encoded in the worker: the slicer's ``/tokenize``
+request and, with ``upstream_tokenize``, the exact count's.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+
+from .assemble import convertible
+from .errors import BadRequest
+from .estimate import PromptShape, message_bytes, shape_of
+from .prefix_memory import prefix_hashes
+from .slicer import tokenize_payload
+
+log = logging.getLogger("prefill_gate")
+
+USAGE_MEMBER = b'"stream_options":{"include_usage":true}'
+
+
+@dataclass(frozen=True)
+class BodyOptions:
+    """What reading a body depends on besides its bytes (from the settings)."""
+
+    endpoint: str  # "chat" | "completions"
+    max_messages: int = 4096
+    max_containers: int = 200_000
+    max_depth: int = 128
+    protect_non_streaming: bool = False
+    slicing: bool = False  # the slicer's /tokenize request is wanted (for a large prefill)
+    upstream_tokenize: bool = False  # exact counts come from the upstream's /tokenize
+
+
+@dataclass
+class RequestBody:
+    """What the gate needs of one request body."""
+
+    content: bytes  # what goes upstream: the client's bytes, or them with include_usage asked for
+    model: str
+    salt: str | None  # cache_salt
+    streaming: bool
+    assemble: bool  # the client wants JSON; the proxy streams upstream to see the phase
+    drop_usage: bool  # include_usage was asked on the client's behalf: its chunk is not relayed
+    shape: PromptShape
+    prefixes: list[bytes] | None  # chat: hashes of the message-list prefixes
+    message_bytes: list[int] | None  # and each message's text bytes (their estimated tokens)
+    priority: int
+    max_tokens: int | None
+    # The slicer's /tokenize request: a dict ({"ids": [...]} for a token-id prompt), or its
+    # JSON where the body was read in a worker; None when the request cannot be sliced.
+    tokenize: dict | bytes | None
+
+
+def read(raw: bytes, opts: BodyOptions, *, encoded: bool = False) -> RequestBody:
+    """The body's facts, or a BadRequest. Whatever it holds: text no encoder takes (a lone
+    surrogate) or nesting past Python's recursion limit becomes a 400, not a 500. With
+    ``encoded`` (the worker's answer), the parsed structures are left behind: the JSON the
+    upstream will be sent of them is encoded here instead."""
+    try:
+        return _read(raw, opts, encoded)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except UnicodeError as exc:
+        raise BadRequest(f"request body holds text that is not valid Unicode: {exc.reason}") from None
+
+
+def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
+    endpoint = opts.endpoint
+    body = parse_body(raw, endpoint, opts.max_messages, opts.max_containers, opts.max_depth)
+    model = body.get("model") or ""
+    salt = body.get("cache_salt")
+    salt = salt if isinstance(salt, str) else None
+    prefixes = prefix_hashes(body["messages"], salt) if endpoint == "chat" else None
+    shape = shape_of(body, endpoint)
+    streaming = bool(body.get("stream"))
+    assemble = not streaming and opts.protect_non_streaming and convertible(body)
+    drop_usage = False
+    content = raw
+    if assemble:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        content = json.dumps(body).encode()
+    elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
+        appended = None if "stream_options" in body else with_member(raw, USAGE_MEMBER)
+        if appended is None:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            appended = json.dumps(body).encode()
+        content = appended
+        drop_usage = True
+    tokenize = tokenize_payload(body, endpoint) if opts.slicing else None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if encoded:
+        if shape.messages is not None:
+            count = json.dumps({"model": model, "messages": shape.messages}).encode() if opts.upstream_tokenize else None
+            shape = replace(shape, messages=None, tokenize_json=count)
+        if tokenize is not None and "ids" in tokenize:
+            try:  # 8 bytes an id across the pipe and back, not a pickled int each
+                tokenize = {"ids": array.array("q", tokenize["ids"])}
+            except OverflowError:
+                pass
+        elif tokenize is not None:
+            try:
+                tokenize = json.dumps(tokenize).encode()
+            except UnicodeEncodeError:  # (a lone surrogate in a prompt: read inline, /tokenize
+                tokenize = None  # would fail alike, and the request be held, not sliced)
+    return RequestBody(content, model, salt, streaming, assemble, drop_usage, shape, prefixes,
+                       message_bytes(body["messages"]) if prefixes else None,
+                       int(body.get("priority") or 0), max_tokens if isinstance(max_tokens, int) else None,
+                       tokenize)
+
+
+def _read_in_worker(raw: bytes, opts: BodyOptions) -> tuple:
+    """``read`` in a worker process: ("ok", RequestBody) or ("bad", message, param) (an
+    exception's keyword arguments do not survive pickling)."""
+    try:
+        return "ok", read(raw, opts, encoded=True)
+    except BadRequest as exc:
+        return "bad", exc.message, exc.param
+
+
+class BodyReader:
+    """Reads request bodies: under ``offload_bytes`` inline, the rest in ``workers`` worker
+    processes (started at the first such body; 0: every body inline). A worker that dies
+    (killed, out of memory) costs the request in it nothing: it is read inline, and the next
+    big body starts a fresh pool."""
+
+    def __init__(self, options: dict[str, BodyOptions], offload_bytes: int, workers: int):
+        self.options = options
+        self.offload_bytes = offload_bytes
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def offloads(self, size: int) -> bool:
+        return self.workers > 0 and size >= self.offload_bytes
+
+    async def read(self, raw: bytes, endpoint: str) -> RequestBody:
+        opts = self.options[endpoint]
+        if not self.offloads(len(raw)):
+            return read(raw, opts)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(pool, _read_in_worker, raw, opts)
+        except BrokenProcessPool:
+            log.warning("a body reader process died; reading this body (%d bytes) on the event loop", len(raw))
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            return read(raw, opts)
+        if answer[0] == "bad":
+            raise BadRequest(answer[1], param=answer[2])
+        return answer[1]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+# ------------------------------------------------------------- parse and bounds
+def _check(body: dict, name: str, types: tuple, required: bool = False) -> None:
+    if name not in body:
+        if required:
+            raise BadRequest(f"'{name}' is a required property", param=name)
+        return
+    value = body[name]
+    if value is None and not required:
+        return
+    if int in types and isinstance(value, float) and value.is_integer():
+        return  # 5.0 is an integer to JSON Schema, and to vLLM's validation
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        want = " or ".join(t.__name__ for t in types)
+        raise BadRequest(f"'{name}' must be {want}, not {type(value).__name__}", param=name)
+
+
+def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containers: int = 200_000,
+               max_depth: int = 128) -> dict:
+    """The body as JSON, after bounds that keep the cost of reading it bounded: the
+    containers are counted before parsing (every '{' and '[', in strings too: an over-count
+    that only errs on the safe side), the nesting after it (where the count allows any), the
+    messages before anything walks them."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > max_containers:
+        raise BadRequest(f"request body has {containers} JSON objects and arrays (or braces in its text); "
+                         f"the limit is {max_containers} (max_json_containers)")
+    try:
+        body = json.loads(raw)  # (nesting past the recursion limit: read() answers 400)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if containers > max_depth and _deeper_than(body, max_depth):
+        raise BadRequest(f"request body nests JSON objects and arrays more than {max_depth} deep (max_json_depth)")
+    _check(body, "model", (str,))
+    _check(body, "stream", (bool,))
+    _check(body, "stream_options", (dict,))
+    _check(body, "max_tokens", (int,))
+    _check(body, "priority", (int,))
+    if endpoint == "chat":
+        _check(body, "messages", (list,), required=True)
+        if len(body["messages"]) > max_messages:
+            raise BadRequest(f"{len(body['messages'])} messages; the limit is {max_messages} (max_messages)",
+                             param="messages")
+        for i, m in enumerate(body["messages"]):
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}] must be an object", param="messages")
+    else:
+        _check(body, "prompt", (str, list), required=True)
+    return body
+
+
+def with_member(raw: bytes, member: bytes) -> bytes | None:
+    """``raw``, a JSON object in UTF-8 known to lack ``member``'s key, with ``member``
+    appended: the client's bytes otherwise as they came (no re-encoding of a long prompt).
+    None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
+    body = raw.strip(b" \t\r\n")
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        return None
+    inner = body[:-1].rstrip(b" \t\r\n")
+    return inner + (b"" if inner == b"{" else b",") + member + b"}"
+
+
+def _deeper_than(value: dict | list, limit: int) -> bool:
+    """Whether containers nest more than ``limit`` deep (level by level, no recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below = []
+        for v in level:
+            below.extend(x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list)
+        level = below
+    return False
+
+

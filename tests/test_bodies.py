@@ -1,0 +1,170 @@
+"""Reading request bodies: the same facts inline and in a worker process; the event loop runs
+while a big body is read; a bad body is the same 400 either way; a dead worker costs nothing."""
+
+import array
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+
+import pytest
+
+from proxy.bodies import BodyOptions, BodyReader, read
+from proxy.errors import BadRequest
+
+CHAT, COMPLETIONS = BodyOptions("chat"), BodyOptions("completions")
+EVERYTHING = dict(protect_non_streaming=True, slicing=True, upstream_tokenize=True)
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "héllo 😀 " * 50}], **fields}).encode()
+
+
+BODIES = [
+    (CHAT, chat(stream=True)),
+    (CHAT, chat(stream=True, stream_options={"include_usage": True})),
+    (CHAT, chat(stream=True, stream_options={"continuous_usage_stats": False})),
+    (CHAT, chat(max_tokens=7, priority=3, cache_salt="s")),
+    (CHAT, chat(max_completion_tokens=9, tools=[{"type": "function", "function": {"name": "f"}}])),
+    (BodyOptions("chat", **EVERYTHING), chat()),  # assembled: re-encoded with stream and include_usage
+    (BodyOptions("chat", **EVERYTHING), chat(stream=True)),
+    (BodyOptions("chat", **EVERYTHING), b' {"model":"m","messages":[{"role":"user","content":[{"type":"text",'
+                                        b'"text":"parts"}]}],"stream":true} \r\n'),
+    (COMPLETIONS, json.dumps({"model": "m", "prompt": "once upon a time", "stream": True}).encode()),
+    (BodyOptions("completions", **EVERYTHING), json.dumps({"prompt": "a prompt", "stream": True}).encode()),
+    (BodyOptions("completions", **EVERYTHING), json.dumps({"prompt": list(range(5000))}).encode()),
+    (BodyOptions("completions", **EVERYTHING), json.dumps({"prompt": ["one", "two"]}).encode()),
+]
+
+
+def _as_sent(body, opts: BodyOptions) -> dict:
+    """What the gate sends upstream of a read body, and the facts it decides by, with the
+    structures an inline read keeps encoded as a worker's read encodes them."""
+    facts = dataclasses.asdict(body)
+    shape = facts.pop("shape")
+    tokenize = body.tokenize
+    if isinstance(tokenize, dict) and "ids" in tokenize:
+        tokenize = list(tokenize["ids"])
+    elif isinstance(tokenize, dict):
+        tokenize = json.loads(json.dumps(tokenize))
+    elif isinstance(tokenize, bytes):
+        tokenize = json.loads(tokenize)
+    facts["tokenize"] = tokenize
+    count = shape["tokenize_json"]
+    if opts.upstream_tokenize:  # the /tokenize request of an exact count (chat)
+        facts["exact_count_request"] = json.loads(count) if count else (
+            {"model": body.model, "messages": shape["messages"]} if shape["messages"] is not None else None)
+    facts["shape"] = (shape["text"], shape["n_messages"], shape["token_ids"], shape["prompt"])
+    return facts
+
+
+@pytest.mark.parametrize("opts,raw", BODIES)
+def test_a_worker_reads_what_the_loop_would(opts, raw):
+    inline, encoded = read(raw, opts), read(raw, opts, encoded=True)
+    assert encoded.shape.messages is None and not isinstance(encoded.tokenize, dict) or \
+        isinstance(encoded.tokenize, dict) and isinstance(encoded.tokenize["ids"], array.array)
+    assert _as_sent(encoded, opts) == _as_sent(inline, opts)
+    if not opts.upstream_tokenize:
+        assert encoded.shape.tokenize_json is None
+
+
+async def test_big_bodies_go_through_a_worker_process_with_the_same_answer():
+    opts = BodyOptions("chat", **EVERYTHING)
+    reader = BodyReader({"chat": opts}, offload_bytes=4096, workers=1)
+    try:
+        small, big = chat(stream=True), chat(stream=True, filler="x" * 5000)
+        assert not reader.offloads(len(small)) and reader.offloads(len(big))
+        assert _as_sent(await reader.read(small, "chat"), opts) == _as_sent(read(small, opts), opts)
+        assert reader._pool is None  # small bodies never start one
+        assert _as_sent(await reader.read(big, "chat"), opts) == _as_sent(read(big, opts), opts)
+        assert reader._pool is not None
+    finally:
+        reader.close()
+
+
+async def test_the_loop_runs_while_a_worker_parses():
+    """A body of many containers takes a parse of tens of milliseconds: inline, nothing else
+    runs meanwhile; through the worker, the loop goes on (here: a ticker every millisecond)."""
+    parts = [{"type": "text", "text": "a"}] * 150_000
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}).encode()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    for workers, expect_ticks in ((0, False), (1, True)):
+        reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=workers)
+        task = asyncio.create_task(ticker())
+        try:
+            if workers:
+                await reader.read(chat(filler="x" * 5000), "chat")  # the worker started and warm
+            await asyncio.sleep(0.01)
+            before = ticks
+            body = await reader.read(raw, "chat")
+            assert body.message_bytes == [150_000]
+            assert (ticks - before >= 5) is expect_ticks, (workers, ticks - before)
+        finally:
+            task.cancel()
+            reader.close()
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"model":"m","messages":"no"}' + b" " * 5000, "messages"),
+    (b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}' + b" " * 5000, None),
+    (b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":' + b"[" * 990 + b"]" * 990 + b"}", None),
+    (b'{"model":12,"pad":"' + b"x" * 5000 + b'"}', "model"),
+    (b'{"model":' + b"1" * 5000 + b"}", None),  # (an int of over 4,300 digits: not JSON to Python)
+])
+async def test_a_bad_big_body_is_the_same_400_as_a_small_one(raw, param):
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=1)
+    try:
+        with pytest.raises(BadRequest) as inline:
+            read(raw, CHAT)
+        with pytest.raises(BadRequest) as offloaded:
+            await reader.read(raw, "chat")
+        assert (offloaded.value.message, offloaded.value.param) == (inline.value.message, inline.value.param)
+        assert inline.value.param == param
+    finally:
+        reader.close()
+
+
+async def test_a_dead_worker_costs_the_request_nothing_and_the_next_body_a_fresh_pool():
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=1)
+    big = chat(filler="x" * 5000)
+    try:
+        await reader.read(big, "chat")
+        pool = reader._pool
+        for pid in list(pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        body = await reader.read(big, "chat")  # read inline this once
+        assert _as_sent(body, CHAT) == _as_sent(read(big, CHAT), CHAT) and reader._pool is None
+        assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)
+        assert reader._pool is not None and reader._pool is not pool
+    finally:
+        reader.close()
+
+
+# ---------------------------------------------------------------- through the app
+async def test_a_big_bodys_exact_count_and_slicing_requests_go_upstream_as_read_in_the_worker(fake):
+    """The /tokenize requests of an exact count (upstream_tokenize) and of slicing (auto) are
+    encoded in the worker; upstream they are the JSON the loop would have sent."""
+    from conftest import proxy_client
+
+    text = "y" * 6000
+    messages = [{"role": "user", "content": text}]
+    async with proxy_client(fake, upstream_tokenize=True, slicing="auto", large_prefill_tokens=1500,
+                            offload_body_bytes=4096, body_workers=1) as (c, state):
+        r = await c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+        assert r.status_code == 200
+        assert state.bodies._pool is not None  # read in the worker
+    sent = [json.loads(q.content) for q in fake.requests if q.url.path == "/tokenize"]
+    assert {"model": "m", "messages": messages} in sent  # the exact count's
+    sliced = [s for s in sent if "add_generation_prompt" in s]
+    assert sliced and sliced[0]["messages"] == messages  # slicing's
+    assert all(q.headers["content-type"] == "application/json" for q in fake.requests if q.url.path == "/tokenize")
