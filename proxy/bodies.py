@@ -134,9 +134,23 @@ def _read_in_worker(raw: bytes, opts: BodyOptions) -> tuple:
         return "bad", exc.message, exc.param
 
 
+def token_ids_of(answer: bytes) -> array.array:
+    """The ids of a ``/tokenize`` answer as a compact array (8 bytes an id, not a Python int's
+    28: they are held while the request waits); ValueError when it holds none, OverflowError
+    when one does not fit 64 bits."""
+    try:
+        parsed = json.loads(answer)
+    except ValueError as exc:  # (a JSONDecodeError would carry the whole answer back from a worker)
+        raise ValueError(f"an answer that is not JSON: {exc}") from None
+    ids = parsed.get("tokens") if isinstance(parsed, dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(x) is int for x in ids):
+        raise ValueError("no 'tokens' list of integers in the answer")
+    return array.array("q", ids)
+
+
 class BodyReader:
-    """Reads request bodies: under ``offload_bytes`` inline, the rest in ``workers`` worker
-    processes (started at the first such body; 0: every body inline). A worker that dies
+    """Reads request bodies (and /tokenize answers): under ``offload_bytes`` inline, the rest in
+    ``workers`` worker processes (started at the first such body; 0: every body inline). A worker that dies
     (killed, out of memory) costs the request in it nothing: it is read inline, and the next
     big body starts a fresh pool."""
 
@@ -153,20 +167,29 @@ class BodyReader:
         opts = self.options[endpoint]
         if not self.offloads(len(raw)):
             return read(raw, opts)
+        answer = await self._in_worker(_read_in_worker, raw, opts)
+        if answer[0] == "bad":
+            raise BadRequest(answer[1], param=answer[2])
+        return answer[1]
+
+    async def token_ids(self, answer: bytes) -> array.array:
+        """``token_ids_of`` a /tokenize answer, in a worker when it is big (a long prompt's ids)."""
+        if not self.offloads(len(answer)):
+            return token_ids_of(answer)
+        return await self._in_worker(token_ids_of, answer)
+
+    async def _in_worker(self, fn, data: bytes, *args):
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         pool = self._pool
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(pool, _read_in_worker, raw, opts)
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, data, *args)
         except BrokenProcessPool:
-            log.warning("a body reader process died; reading this body (%d bytes) on the event loop", len(raw))
+            log.warning("a body reader process died; reading this body (%d bytes) on the event loop", len(data))
             if self._pool is pool:
                 self._pool = None
                 pool.shutdown(wait=False, cancel_futures=True)
-            return read(raw, opts)
-        if answer[0] == "bad":
-            raise BadRequest(answer[1], param=answer[2])
-        return answer[1]
+            return fn(data, *args)
 
     def close(self) -> None:
         if self._pool is not None:

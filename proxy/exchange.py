@@ -8,7 +8,6 @@ three run in the route handler and answer 4xx directly; the rest run inside the
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
@@ -191,11 +190,7 @@ async def fetch_token_ids(state: "AppState", payload: dict | bytes, upstream: st
             timeout=state.settings.read_timeout if timeout is None else timeout)
         if status != 200:
             raise ValueError(f"status {status}: {body[:200]!r}")
-        answer = json.loads(body) if len(body) < 1 << 18 else await asyncio.to_thread(json.loads, body)
-        ids = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(ids, list) or not ids or not all(type(x) is int for x in ids):
-            raise ValueError("no 'tokens' list of integers in the answer")
-        return array.array("q", ids)  # 8 bytes an id, not a Python int's 28 (held while queued)
+        return await state.bodies.token_ids(body)
     except (UpstreamError, ValueError, OverflowError) as exc:
         log.info("/tokenize on %s: %s", upstream, getattr(exc, "message", exc))
         return None

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from proxy.bodies import BodyOptions, BodyReader, read
+from proxy.bodies import BodyOptions, BodyReader, read, token_ids_of
 from proxy.errors import BadRequest
 
 CHAT, COMPLETIONS = BodyOptions("chat"), BodyOptions("completions")
@@ -168,3 +168,27 @@ async def test_a_big_bodys_exact_count_and_slicing_requests_go_upstream_as_read_
     sliced = [s for s in sent if "add_generation_prompt" in s]
     assert sliced and sliced[0]["messages"] == messages  # slicing's
     assert all(q.headers["content-type"] == "application/json" for q in fake.requests if q.url.path == "/tokenize")
+
+
+@pytest.mark.parametrize("answer", [
+    json.dumps({"count": 3, "tokens": [1, 2, 3] * 4000}).encode(),
+    json.dumps({"count": 0, "tokens": []}).encode() + b" " * 5000,
+    json.dumps({"tokens": [1, "2"] * 3000}).encode(),
+    json.dumps({"tokens": [1, 2**70] * 3000}).encode(),
+    b"<html>" + b"x" * 5000,
+])
+async def test_a_big_tokenize_answer_is_read_in_a_worker_with_the_same_result(answer):
+    reader = BodyReader({}, offload_bytes=4096, workers=1)
+    try:
+        assert reader.offloads(len(answer))
+        try:
+            inline = token_ids_of(answer)
+        except (ValueError, OverflowError) as exc:
+            with pytest.raises(type(exc)) as offloaded:
+                await reader.token_ids(answer)
+            assert str(offloaded.value) == str(exc)
+        else:
+            ids = await reader.token_ids(answer)
+            assert isinstance(ids, array.array) and ids == inline == array.array("q", [1, 2, 3] * 4000)
+    finally:
+        reader.close()
