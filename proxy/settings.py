@@ -146,8 +146,8 @@ class Settings(BaseModel):
     )
     offload_body_bytes: int = Field(
         64 * 1024, ge=0,
-        description="Request bodies of this many bytes or more are parsed and read in a worker process "
-        "(body_workers), not on the event loop that relays every stream (0: every body).",
+        description="Request bodies (and /tokenize answers) of this many bytes or more are parsed and read "
+        "in a worker process (body_workers), not on the event loop that relays every stream (0: every body).",
     )
     body_workers: int = Field(
         2, ge=0, le=64,

@@ -309,7 +309,8 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
                      model: str | None, cache_salt: str | None, deadline: float,
                      window: Callable[[], Any], window_end: Callable[[Any], Awaitable[float | None]],
                      settle: Callable[[], Awaitable[float]] | None = None, inflight: int = 1,
-                     clock: Callable[[], float] = time.monotonic) -> SliceRun:
+                     clock: Callable[[], float] = time.monotonic,
+                     encode: Callable[[Sequence[int], int], Awaitable[IdPrefixes]] | None = None) -> SliceRun:
     """Send slices until the last whole block before the prompt's end is covered (the
     final request computes the rest, at least one token). ``settle()`` is awaited before
     each slice (other requests' prefills end first; it returns the seconds waited),
@@ -319,12 +320,15 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
 
     ``inflight`` > 1: up to that many slices at once, each sent at least a round trip /
     ``inflight`` after the previous (the last answered slice's round trip; the first slice
-    goes alone), so that it reaches the engine once the previous one is scheduled."""
+    goes alone), so that it reaches the engine once the previous one is scheduled.
+
+    ``encode(ids, block)``: the prompt's ``IdPrefixes`` (a long prompt's ids take a while to
+    encode: the proxy has a worker process do it, ``bodies.BodyReader.id_prefixes``)."""
     run = SliceRun()
     last = (len(ids) - 1) // block * block
     if last <= 0:
         return run
-    prefixes = IdPrefixes(ids[:last], block)
+    prefixes = IdPrefixes(ids[:last], block) if encode is None else await encode(ids[:last], block)
     head = b'{"max_tokens":1,"temperature":0,"stream":false'
     if model is not None:
         head += b',"model":' + json.dumps(model).encode()

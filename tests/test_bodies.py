@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from proxy.bodies import BodyOptions, BodyReader, read, token_ids_of
+from proxy.bodies import ID_BYTES, BodyOptions, BodyReader, read, token_ids_of
+from proxy.slicer import IdPrefixes
 from proxy.errors import BadRequest
 
 CHAT, COMPLETIONS = BodyOptions("chat"), BodyOptions("completions")
@@ -190,5 +191,18 @@ async def test_a_big_tokenize_answer_is_read_in_a_worker_with_the_same_result(an
         else:
             ids = await reader.token_ids(answer)
             assert isinstance(ids, array.array) and ids == inline == array.array("q", [1, 2, 3] * 4000)
+    finally:
+        reader.close()
+
+
+async def test_a_long_prompts_id_prefixes_are_encoded_in_a_worker_as_inline():
+    ids = list(range(100_000, 103_000))
+    reader = BodyReader({}, offload_bytes=4096, workers=1)
+    try:
+        assert reader.offloads(ID_BYTES * len(ids)) and not reader.offloads(ID_BYTES * 100)
+        assert vars(await reader.id_prefixes(ids[:100], 16)) == vars(IdPrefixes(ids[:100], 16))
+        assert reader._pool is None
+        assert vars(await reader.id_prefixes(ids, 16)) == vars(IdPrefixes(ids, 16))
+        assert reader._pool is not None
     finally:
         reader.close()

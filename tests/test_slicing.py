@@ -93,6 +93,35 @@ async def test_slices_are_growing_block_aligned_prefixes_of_the_prompt():
     assert run.slices == len(bodies) and not run.stopped
 
 
+async def test_slices_come_from_the_encoder_the_caller_gives():
+    from proxy.bodies import BodyReader
+
+    ids = list(range(1000, 1000 + 1234))
+    reader = BodyReader({}, offload_bytes=1024, workers=1)  # the proxy's: a worker process here
+    asked = []
+
+    async def encode(prefix_ids, block):
+        asked.append((len(prefix_ids), block))
+        return await reader.id_prefixes(prefix_ids, block)
+
+    async def send(body: bytes) -> bool:
+        bodies.append(json.loads(body))
+        return True
+
+    try:
+        for encoder in (None, encode):
+            bodies = []
+            sizer = SliceSizer(target_s=0.03, min_tokens=100, max_tokens=300, tokens=200)
+            await run_slices(ids, 16, sizer, send, model="m", cache_salt=None, deadline=float("inf"),
+                             window=lambda: None, window_end=gap_of(0.03), encode=encoder)
+            assert all(b["prompt"] == ids[:len(b["prompt"])] for b in bodies) and bodies
+            if encoder is None:
+                inline = bodies
+        assert bodies == inline and asked == [((len(ids) - 1) // 16 * 16, 16)] and reader._pool is not None
+    finally:
+        reader.close()
+
+
 async def test_slicing_stops_at_a_failed_slice_and_at_the_deadline():
     ids = list(range(5000))
     sent = []
