@@ -10,7 +10,8 @@ process, and the loop pays for a copy of the bytes each way. What comes back is 
 parsed body (unpickling it would cost the loop about what parsing did) but the facts, and
 the JSON the rarer paths send upstream, encoded in the worker: the slicer's ``/tokenize``
 request and, with ``upstream_tokenize``, the exact count's. The same workers read a long
-prompt's ``/tokenize`` answer (its ids) and encode them for its slices.
+prompt's ``/tokenize`` answer (its ids), encode them for its slices, and find the usage in a
+big non-streaming answer.
 """
 
 from __future__ import annotations
@@ -151,6 +152,15 @@ def token_ids_of(answer: bytes) -> array.array:
     return array.array("q", ids)
 
 
+def usage_of(answer: bytes) -> dict | None:
+    """The ``usage`` of a whole (non-streaming) answer, or None."""
+    try:
+        usage = json.loads(answer).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
 class BodyReader:
     """Reads request bodies (and /tokenize answers): under ``offload_bytes`` inline, the rest in
     ``workers`` worker processes (started at the first such body; 0: every body inline). A worker that dies
@@ -180,6 +190,12 @@ class BodyReader:
         if not self.offloads(len(answer)):
             return token_ids_of(answer)
         return await self._in_worker(token_ids_of, answer)
+
+    async def usage(self, answer: bytes) -> dict | None:
+        """``usage_of`` a whole answer, in a worker when it is big (many choices, logprobs)."""
+        if not self.offloads(len(answer)):
+            return usage_of(answer)
+        return await self._in_worker(usage_of, answer)
 
     async def id_prefixes(self, ids: Sequence[int], block: int) -> IdPrefixes:
         """A slice run's ``IdPrefixes``, in a worker for a long prompt (250,000 ids took

@@ -391,11 +391,7 @@ class GatedExchange(Exchange):
         if resp.status_code == 200:
             self.prefilled = True
             if b'"usage"' in body:
-                try:
-                    usage = json.loads(body).get("usage")
-                    self.usage = usage if isinstance(usage, dict) else None
-                except (ValueError, AttributeError):
-                    pass
+                self.usage = await self.state.bodies.usage(body)
         else:
             self.outcome.kind = OutcomeKind.UPSTREAM_HTTP_ERROR
             self.outcome.http_kind = ErrorKind.of_status(resp.status_code)

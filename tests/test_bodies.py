@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from proxy.bodies import ID_BYTES, BodyOptions, BodyReader, read, token_ids_of
+from proxy.bodies import ID_BYTES, BodyOptions, BodyReader, read, token_ids_of, usage_of
 from proxy.slicer import IdPrefixes
 from proxy.errors import BadRequest
 
@@ -204,5 +204,19 @@ async def test_a_long_prompts_id_prefixes_are_encoded_in_a_worker_as_inline():
         assert reader._pool is None
         assert vars(await reader.id_prefixes(ids, 16)) == vars(IdPrefixes(ids, 16))
         assert reader._pool is not None
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("answer,usage", [
+    (json.dumps({"choices": [{"text": "x" * 6000}], "usage": {"prompt_tokens": 5}}).encode(), {"prompt_tokens": 5}),
+    (json.dumps({"choices": [{"text": "x" * 6000}], "usage": None}).encode(), None),
+    (json.dumps([{"usage": {}}, "x" * 6000]).encode(), None),
+    (b'{"usage": {"prompt_tokens": 5}' + b" " * 6000, None),  # cut short
+])
+async def test_a_big_answers_usage_is_found_in_a_worker_as_inline(answer, usage):
+    reader = BodyReader({}, offload_bytes=4096, workers=1)
+    try:
+        assert usage_of(answer) == usage == await reader.usage(answer) and reader._pool is not None
     finally:
         reader.close()
