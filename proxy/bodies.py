@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -162,19 +163,29 @@ def usage_of(answer: bytes) -> dict | None:
 
 
 class BodyReader:
-    """Reads request bodies (and /tokenize answers): under ``offload_bytes`` inline, the rest in
-    ``workers`` worker processes (started at the first such body; 0: every body inline). A worker that dies
-    (killed, out of memory) costs the request in it nothing: it is read inline, and the next
-    big body starts a fresh pool."""
+    """Reads request bodies (and the other big JSON of a request, below): under
+    ``offload_bytes`` inline, the rest in ``workers`` worker processes (started with the first
+    such body; 0: every body inline). A worker that dies (killed, out of memory) costs the
+    request in it nothing: its work is done inline, and the next big body starts a fresh
+    pool. Pools that break ``BREAKS_TO_PAUSE`` times in a row (workers that cannot start: a
+    ``__main__`` that runs the server again when a spawned process imports it) pause the
+    offload for ``PAUSE_S``: every body inline meanwhile, not a process started per request."""
 
-    def __init__(self, options: dict[str, BodyOptions], offload_bytes: int, workers: int):
+    BREAKS_TO_PAUSE = 3
+    PAUSE_S = 60.0
+
+    def __init__(self, options: dict[str, BodyOptions], offload_bytes: int, workers: int,
+                 clock=time.monotonic):
         self.options = options
         self.offload_bytes = offload_bytes
         self.workers = workers
+        self.clock = clock
         self._pool: ProcessPoolExecutor | None = None
+        self._breaks = 0  # pools broken since a worker last answered
+        self._paused_until = -float("inf")
 
     def offloads(self, size: int) -> bool:
-        return self.workers > 0 and size >= self.offload_bytes
+        return self.workers > 0 and size >= self.offload_bytes and self.clock() >= self._paused_until
 
     async def read(self, raw: bytes, endpoint: str) -> RequestBody:
         opts = self.options[endpoint]
@@ -211,13 +222,21 @@ class BodyReader:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         pool = self._pool
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, data, *args)
+            answer = await asyncio.get_running_loop().run_in_executor(pool, fn, data, *args)
         except BrokenProcessPool:
-            log.warning("a body reader process died; doing its work (%s) on the event loop", fn.__name__)
             if self._pool is pool:
                 self._pool = None
                 pool.shutdown(wait=False, cancel_futures=True)
+                self._breaks += 1
+                if self._breaks >= self.BREAKS_TO_PAUSE:
+                    self._breaks = 0
+                    self._paused_until = self.clock() + self.PAUSE_S
+                    log.error("body reader processes broke %d times in a row; reading every body on the event "
+                              "loop for %g s", self.BREAKS_TO_PAUSE, self.PAUSE_S)
+            log.warning("a body reader process died; doing its work (%s) on the event loop", fn.__name__)
             return fn(data, *args)
+        self._breaks = 0
+        return answer
 
     def close(self) -> None:
         if self._pool is not None:

@@ -220,3 +220,35 @@ async def test_a_big_answers_usage_is_found_in_a_worker_as_inline(answer, usage)
         assert usage_of(answer) == usage == await reader.usage(answer) and reader._pool is not None
     finally:
         reader.close()
+
+
+async def test_pools_that_keep_breaking_pause_the_offload_instead_of_a_process_per_request(monkeypatch):
+    """Workers that cannot start (their initializer exits, as a spawned child whose __main__
+    runs the server would fail): three broken pools in a row pause the offload for a while."""
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    import proxy.bodies
+
+    class Unstartable(ProcessPoolExecutor):
+        def __init__(self, workers, mp_context):
+            super().__init__(workers, mp_context=mp_context, initializer=sys.exit, initargs=(3,))
+
+    monkeypatch.setattr(proxy.bodies, "ProcessPoolExecutor", Unstartable)
+    now = [0.0]
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=1, clock=lambda: now[0])
+    big = chat(filler="x" * 5000)
+    try:
+        for _ in range(BodyReader.BREAKS_TO_PAUSE):
+            assert reader.offloads(len(big))
+            assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)  # inline
+        assert not reader.offloads(len(big)) and reader._pool is None  # paused: no pool started
+        await reader.read(big, "chat")
+        assert reader._pool is None
+        monkeypatch.undo()
+        now[0] += BodyReader.PAUSE_S
+        assert reader.offloads(len(big))
+        await reader.read(big, "chat")
+        assert reader._pool is not None and reader.offloads(len(big))
+    finally:
+        reader.close()
