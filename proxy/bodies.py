@@ -169,7 +169,8 @@ class BodyReader:
     request in it nothing: its work is done inline, and the next big body starts a fresh
     pool. Pools that break ``BREAKS_TO_PAUSE`` times in a row (workers that cannot start: a
     ``__main__`` that runs the server again when a spawned process imports it) pause the
-    offload for ``PAUSE_S``: every body inline meanwhile, not a process started per request."""
+    offload for ``PAUSE_S``: every body inline meanwhile, not a process started per request.
+    Where no pool can be made at all (no working ``sem_open``), every body is read inline."""
 
     BREAKS_TO_PAUSE = 3
     PAUSE_S = 60.0
@@ -219,7 +220,13 @@ class BodyReader:
 
     async def _in_worker(self, fn, data, *args):
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            try:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            except (OSError, ImportError, NotImplementedError) as exc:  # (no working sem_open, say)
+                log.error("no body reader processes here (%s: %s); reading every body on the event loop",
+                          type(exc).__name__, exc)
+                self.workers = 0
+                return fn(data, *args)
         pool = self._pool
         try:
             answer = await asyncio.get_running_loop().run_in_executor(pool, fn, data, *args)

@@ -252,3 +252,16 @@ async def test_pools_that_keep_breaking_pause_the_offload_instead_of_a_process_p
         assert reader._pool is not None and reader.offloads(len(big))
     finally:
         reader.close()
+
+
+async def test_where_processes_cannot_be_made_every_body_is_read_inline(monkeypatch):
+    import proxy.bodies
+
+    def no_semaphores(*args, **kwargs):
+        raise ImportError("This platform lacks a functioning sem_open implementation")
+
+    monkeypatch.setattr(proxy.bodies, "ProcessPoolExecutor", no_semaphores)
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=2)
+    big = chat(filler="x" * 5000)
+    assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)
+    assert not reader.offloads(len(big)) and reader._pool is None
