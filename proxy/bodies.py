@@ -3,10 +3,11 @@
 Everything ``prepare`` needs of a chat or completions body (its bounds checked, the prompt's
 shape, the prefix hashes, the bytes to send upstream) is one pure function, ``read``. The
 event loop relays every live stream, and each of them waits while it parses: a megabyte of
-agent context cost it 5-15 ms, a body of 150,000 JSON containers (under the 200,000 bound)
-0.5-1 s (``bench/big_bodies.py``). A thread would not help: json.loads holds the GIL from
-start to end. So ``BodyReader`` reads a body of ``offload_body_bytes`` or more in a worker
-process, and the loop pays for a copy of the bytes each way. What comes back is never the
+agent context held every stream about 20 ms on the H200 host, a body of 150,000 JSON
+containers (under the 200,000 bound) half a second (``bench/big_bodies.py``, docs/RESULTS.md
+3f). A thread would not help: json.loads holds the GIL from start to end. So ``BodyReader``
+reads a body of ``offload_body_bytes`` or more in a worker process, and the loop pays for a
+copy of the bytes each way. What comes back is never the
 parsed body (unpickling it would cost the loop about what parsing did) but the facts, and
 the JSON the rarer paths send upstream, encoded in the worker: the slicer's ``/tokenize``
 request and, with ``upstream_tokenize``, the exact count's. The same workers read a long
@@ -120,10 +121,7 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
             except OverflowError:
                 pass
         elif tokenize is not None:
-            try:
-                tokenize = json.dumps(tokenize).encode()
-            except UnicodeEncodeError:  # (a lone surrogate in a prompt: read inline, /tokenize
-                tokenize = None  # would fail alike, and the request be held, not sliced)
+            tokenize = json.dumps(tokenize).encode()  # (ASCII: a lone surrogate is escaped, as inline)
     return RequestBody(content, model, salt, streaming, assemble, drop_usage, shape, prefixes,
                        message_bytes(body["messages"]) if prefixes else None,
                        int(body.get("priority") or 0), max_tokens if isinstance(max_tokens, int) else None,
