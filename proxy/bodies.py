@@ -7,12 +7,12 @@ agent context held every stream about 20 ms on the H200 host, a body of 150,000 
 containers (under the 200,000 bound) half a second (``bench/big_bodies.py``, docs/RESULTS.md
 3f). A thread would not help: json.loads holds the GIL from start to end. So ``BodyReader``
 reads a body of ``offload_body_bytes`` or more in a worker process, and the loop pays for a
-copy of the bytes each way. What comes back is never the
-parsed body (unpickling it would cost the loop about what parsing did) but the facts, and
-the JSON the rarer paths send upstream, encoded in the worker: the slicer's ``/tokenize``
-request and, with ``upstream_tokenize``, the exact count's. The same workers read a long
-prompt's ``/tokenize`` answer (its ids), encode them for its slices, and find the usage in a
-big non-streaming answer.
+copy of the bytes each way. What comes back is never the parsed body (unpickling it would
+cost the loop about what parsing did) but the facts, and the JSON the rarer paths send
+upstream, encoded in the worker: the slicer's ``/tokenize`` request and, with
+``upstream_tokenize``, the exact count's. The same workers read a long prompt's
+``/tokenize`` answer (its ids), encode them for its slices, and find the usage in a big
+non-streaming answer.
 """
 
 from __future__ import annotations
