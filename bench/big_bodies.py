@@ -17,8 +17,9 @@ ends, so they never pause together) while chat requests of one kind arrive at ra
   below ``max_json_containers``).
 
 Per turn the table gives the streams' per-chunk delay (arrival minus stamp): p50, p99, p99.9
-and max, over ``--rounds`` turns of ``--seconds`` (median and range), and how many big
-requests were answered. Every request is interactive (``large_prefill_tokens`` at 10^9), so
+and max, over ``--rounds`` turns of ``--seconds`` (median and range), how many big requests
+were answered, and their own wait: from a big request's last byte sent to its answer's first
+(p50; the upstream answers at once, so this is the proxy reading the body). Every request is interactive (``large_prefill_tokens`` at 10^9), so
 that the gate answers the big ones at once: what is measured is reading them, not holding
 them. The upstream does not parse bodies over 64 KiB (its own loop would stall the stamps it
 writes). ``--baseline DIR`` runs another checkout's proxy (``git worktree add DIR COMMIT``) in
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import pathlib
 import random
@@ -48,7 +50,8 @@ from proxy.bench.report import environment, percentile, table, write_json  # noq
 from proxy.bench.services import Service  # noqa: E402
 
 COLUMNS = [("target", "target"), ("kind", "big requests"), ("answered", "answered"), ("p50", "delay p50 ms"),
-           ("p99", "p99 ms"), ("p999", "p99.9 ms"), ("max", "max ms")]
+           ("p99", "p99 ms"), ("p999", "p99.9 ms"), ("max", "max ms"),
+           ("big_first_ms_p50", "big request first byte p50 ms")]
 ALL_INTERACTIVE = {"PREFILL_GATE_LARGE_PREFILL_TOKENS": str(10**9)}
 
 
@@ -78,18 +81,23 @@ def body_of(kind: str, seed: int = 0) -> bytes | None:
     return json.dumps({"model": "m", "messages": messages, "max_tokens": 2, "stream": True}).encode()
 
 
-async def _post(url: str, body: bytes, answered: list) -> None:
-    """One big request over a raw socket, read to its end."""
+async def _post(url: str, body: bytes, answered: list, firsts: list) -> None:
+    """One big request over a raw socket, read to its end; ``firsts`` gets the seconds from
+    its last byte sent to its answer's first."""
     host, port = url.split("//", 1)[1].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        sent = time.monotonic()
         buf = b""
         while b"[DONE]" not in buf and b"HTTP/1.1 4" not in buf[:12]:
             data = await reader.read(65536)
             if not data:
                 return
+            if not buf:
+                firsts.append(time.monotonic() - sent)
             buf = buf[-64:] + data
         answered.append(b"[DONE]" in buf)
     finally:
@@ -101,6 +109,7 @@ async def _turn(url: str, streams: int, interval: float, tokens: int, seconds: f
     rnd = random.Random(seed)
     delays: list[float] = []
     answered: list[bool] = []
+    firsts: list[float] = []
     await _one_stream(url, 2, 0.001, [], [])  # warm the proxy's upstream pool
     end = time.monotonic() + seconds
 
@@ -115,7 +124,7 @@ async def _turn(url: str, streams: int, interval: float, tokens: int, seconds: f
             await asyncio.sleep(rnd.expovariate(rate))
             if time.monotonic() >= end:
                 break
-            posts.append(asyncio.create_task(_post(url, body, answered)))
+            posts.append(asyncio.create_task(_post(url, body, answered, firsts)))
         for p in posts:
             try:
                 await asyncio.wait_for(p, 30)
@@ -126,7 +135,9 @@ async def _turn(url: str, streams: int, interval: float, tokens: int, seconds: f
     ms = [d * 1e3 for d in delays]
     return {"chunks": len(ms), "p50": percentile(ms, 50), "p99": percentile(ms, 99),
             "p999": percentile(ms, 99.9), "max": max(ms) if ms else float("nan"),
-            "big_sent": len(answered), "big_answered": sum(answered)}
+            "big_sent": len(answered), "big_answered": sum(answered),
+            "big_first_ms_p50": percentile([f * 1e3 for f in firsts], 50),
+            "big_first_ms_max": max(firsts) * 1e3 if firsts else float("nan")}
 
 
 def _run_turn(args: tuple) -> dict:
@@ -142,9 +153,9 @@ def _run_turn(args: tuple) -> dict:
 def _summary(target: str, kind: str, turns: list[dict]) -> dict:
     row = {"target": target, "kind": kind,
            "answered": f"{sum(t['big_answered'] for t in turns)}/{sum(t['big_sent'] for t in turns)}"}
-    for key in ("p50", "p99", "p999", "max"):
-        vals = [t[key] for t in turns]
-        row[key] = f"{statistics.median(vals):.2f} [{min(vals):.2f}-{max(vals):.2f}]"
+    for key in ("p50", "p99", "p999", "max", "big_first_ms_p50"):
+        vals = [t[key] for t in turns if not math.isnan(t[key])]
+        row[key] = f"{statistics.median(vals):.2f} [{min(vals):.2f}-{max(vals):.2f}]" if vals else "-"
     return row
 
 

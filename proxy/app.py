@@ -80,7 +80,8 @@ def _exact_counter(settings: Settings, client: UpstreamClient, state_ref: list) 
 def body_reader(settings: Settings) -> BodyReader:
     def options(endpoint: str) -> BodyOptions:
         return BodyOptions(endpoint, settings.max_messages, settings.max_json_containers, settings.max_json_depth,
-                           settings.protect_non_streaming, settings.slicing != "off", settings.upstream_tokenize)
+                           settings.protect_non_streaming, settings.slicing != "off", settings.upstream_tokenize,
+                           bool(settings.tokenizer_json or settings.tiktoken_encoding))
 
     return BodyReader({e: options(e) for e in ("chat", "completions")}, settings.offload_body_bytes,
                       settings.body_workers)

@@ -51,13 +51,14 @@ class BodyOptions:
     protect_non_streaming: bool = False
     slicing: bool = False  # the slicer's /tokenize request is wanted (for a large prefill)
     upstream_tokenize: bool = False  # exact counts come from the upstream's /tokenize
+    local_count: bool = False  # exact counts come from a local tokenizer (it reads the text)
 
 
 @dataclass
 class RequestBody:
     """What the gate needs of one request body."""
 
-    content: bytes  # what goes upstream: the client's bytes, or them with include_usage asked for
+    content: bytes | None  # what goes upstream: the client's bytes, or them with include_usage asked for
     model: str
     salt: str | None  # cache_salt
     streaming: bool
@@ -71,6 +72,10 @@ class RequestBody:
     # The slicer's /tokenize request: a dict ({"ids": [...]} for a token-id prompt), or its
     # JSON where the body was read in a worker; None when the request cannot be sliced.
     tokenize: dict | bytes | None
+    # From a worker, ``content`` is None where it is the client's bytes ("as sent") or them
+    # with include_usage appended ("usage appended"): the reader has the bytes, and rebuilds it
+    # rather than have a megabyte carried back.
+    content_from_raw: str | None = None
 
 
 def read(raw: bytes, opts: BodyOptions, *, encoded: bool = False) -> RequestBody:
@@ -111,10 +116,18 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
         drop_usage = True
     tokenize = tokenize_payload(body, endpoint) if opts.slicing else None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if encoded:
-        if shape.messages is not None:
-            count = json.dumps({"model": model, "messages": shape.messages}).encode() if opts.upstream_tokenize else None
-            shape = replace(shape, messages=None, tokenize_json=count)
+    from_raw = None
+    if encoded:  # for the trip back: what the reader needs, no more
+        count = None
+        if shape.messages is not None and opts.upstream_tokenize:
+            count = json.dumps({"model": model, "messages": shape.messages}).encode()
+        keep_text = opts.local_count or opts.upstream_tokenize
+        shape = replace(shape, messages=None, tokenize_json=count, size=shape.n_bytes,
+                        text=shape.text if keep_text else "", prompt=shape.prompt if opts.upstream_tokenize else None)
+        if content is raw:
+            content, from_raw = None, "as sent"
+        elif content == with_member(raw, USAGE_MEMBER):
+            content, from_raw = None, "usage appended"
         if tokenize is not None and "ids" in tokenize:
             try:  # 8 bytes an id across the pipe and back, not a pickled int each
                 tokenize = {"ids": array.array("q", tokenize["ids"])}
@@ -125,7 +138,7 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
     return RequestBody(content, model, salt, streaming, assemble, drop_usage, shape, prefixes,
                        message_bytes(body["messages"]) if prefixes else None,
                        int(body.get("priority") or 0), max_tokens if isinstance(max_tokens, int) else None,
-                       tokenize)
+                       tokenize, from_raw)
 
 
 def _read_in_worker(raw: bytes, opts: BodyOptions) -> tuple:
@@ -160,6 +173,20 @@ def usage_of(answer: bytes) -> dict | None:
     return usage if isinstance(usage, dict) else None
 
 
+def _unpacked(answer: tuple, raw: bytes) -> RequestBody:
+    """A worker's answer to ``_read_in_worker(raw, ...)``, with its content rebuilt from the
+    bytes sent (a BadRequest raised)."""
+    if answer[0] == "bad":
+        raise BadRequest(answer[1], param=answer[2])
+    body = answer[1]
+    if body.content_from_raw == "as sent":
+        body.content = raw
+    elif body.content_from_raw == "usage appended":
+        body.content = with_member(raw, USAGE_MEMBER)
+    body.content_from_raw = None
+    return body
+
+
 class BodyReader:
     """Reads request bodies (and the other big JSON of a request, below): under
     ``offload_bytes`` inline, the rest in ``workers`` worker processes (started with the first
@@ -190,10 +217,7 @@ class BodyReader:
         opts = self.options[endpoint]
         if not self.offloads(len(raw)):
             return read(raw, opts)
-        answer = await self._in_worker(_read_in_worker, raw, opts)
-        if answer[0] == "bad":
-            raise BadRequest(answer[1], param=answer[2])
-        return answer[1]
+        return _unpacked(await self._in_worker(_read_in_worker, raw, opts), raw)
 
     async def token_ids(self, answer: bytes) -> array.array:
         """``token_ids_of`` a /tokenize answer, in a worker when it is big (a long prompt's ids)."""

@@ -37,13 +37,14 @@ class PromptShape:
     token_ids: int | None = None  # exact count when the prompt is token ids
     messages: list | None = None  # for the upstream's /tokenize
     prompt: Any = None
-    # That /tokenize request as JSON, where the body was read in a worker (bodies.py) and the
-    # messages stayed there.
+    # Where the body was read in a worker (bodies.py) and the structures stayed there: that
+    # /tokenize request as JSON, and the text's size where no counter reads the text itself.
     tokenize_json: bytes | None = None
+    size: int | None = None
 
     @property
     def n_bytes(self) -> int:
-        return len(self.text.encode("utf-8", "surrogatepass"))
+        return self.size if self.size is not None else len(self.text.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)

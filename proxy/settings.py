@@ -151,8 +151,8 @@ class Settings(BaseModel):
     )
     body_workers: int = Field(
         2, ge=0, le=64,
-        description="Worker processes that read big request bodies, started with the first (0: every body "
-        "is read on the event loop).",
+        description="Worker processes that read big request bodies, started with the first (which waits "
+        "for it: about 0.4 s on a 2-core VM; 0: every body is read on the event loop).",
     )
     max_json_depth: int = Field(
         128, ge=8, le=900,

@@ -6,11 +6,23 @@ import asyncio
 import dataclasses
 import json
 import os
+import pickle
 import signal
 
 import pytest
 
-from proxy.bodies import ID_BYTES, BodyOptions, BodyReader, read, token_ids_of, usage_of
+from proxy.bodies import (
+    ID_BYTES,
+    USAGE_MEMBER,
+    BodyOptions,
+    BodyReader,
+    _read_in_worker,
+    _unpacked,
+    read,
+    token_ids_of,
+    usage_of,
+    with_member,
+)
 from proxy.slicer import IdPrefixes
 from proxy.errors import BadRequest
 
@@ -57,18 +69,29 @@ def _as_sent(body, opts: BodyOptions) -> dict:
     if opts.upstream_tokenize:  # the /tokenize request of an exact count (chat)
         facts["exact_count_request"] = json.loads(count) if count else (
             {"model": body.model, "messages": shape["messages"]} if shape["messages"] is not None else None)
-    facts["shape"] = (shape["text"], shape["n_messages"], shape["token_ids"], shape["prompt"])
+    # What the estimate reads; the text and prompt only where a counter reads them.
+    facts["shape"] = (body.shape.n_bytes, shape["n_messages"], shape["token_ids"])
+    if opts.local_count or opts.upstream_tokenize:
+        facts["text"] = shape["text"]
+    if opts.upstream_tokenize:
+        facts["prompt"] = shape["prompt"]
+    assert facts.pop("content_from_raw") is None
     return facts
 
 
-@pytest.mark.parametrize("opts,raw", BODIES)
+@pytest.mark.parametrize("opts,raw", BODIES + [(dataclasses.replace(o, local_count=True), r) for o, r in BODIES[:3]])
 def test_a_worker_reads_what_the_loop_would(opts, raw):
-    inline, encoded = read(raw, opts), read(raw, opts, encoded=True)
-    assert encoded.shape.messages is None and not isinstance(encoded.tokenize, dict) or \
-        isinstance(encoded.tokenize, dict) and isinstance(encoded.tokenize["ids"], array.array)
-    assert _as_sent(encoded, opts) == _as_sent(inline, opts)
+    inline, answer = read(raw, opts), _read_in_worker(raw, opts)
+    packed = pickle.loads(pickle.dumps(answer))[1]  # as it crosses the pipe
+    assert packed.shape.messages is None and not isinstance(packed.tokenize, dict) or \
+        isinstance(packed.tokenize, dict) and isinstance(packed.tokenize["ids"], array.array)
+    if packed.content_from_raw is not None:  # the bytes it would have carried back
+        assert packed.content is None and inline.content in (raw, with_member(raw, USAGE_MEMBER))
+    if not (opts.local_count or opts.upstream_tokenize):
+        assert packed.shape.text == ""
+    assert _as_sent(_unpacked(answer, raw), opts) == _as_sent(inline, opts)
     if not opts.upstream_tokenize:
-        assert encoded.shape.tokenize_json is None
+        assert packed.shape.tokenize_json is None
 
 
 async def test_big_bodies_go_through_a_worker_process_with_the_same_answer():
