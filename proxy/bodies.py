@@ -102,21 +102,20 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
     streaming = bool(body.get("stream"))
     assemble = not streaming and opts.protect_non_streaming and convertible(body)
     drop_usage = False
-    content = raw
+    content, from_raw = raw, "as sent"  # from_raw: how ``content`` follows from the client's bytes
     if assemble:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        content = json.dumps(body).encode()
+        content, from_raw = json.dumps(body).encode(), None
     elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
-        appended = None if "stream_options" in body else with_member(raw, USAGE_MEMBER)
-        if appended is None:
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            appended = json.dumps(body).encode()
-        content = appended
         drop_usage = True
+        if "stream_options" not in body and _member_slot(raw) is not None:
+            content, from_raw = with_member(raw, USAGE_MEMBER) if not encoded else None, "usage appended"
+        else:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            content, from_raw = json.dumps(body).encode(), None
     tokenize = tokenize_payload(body, endpoint) if opts.slicing else None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    from_raw = None
     if encoded:  # for the trip back: what the reader needs, no more
         count = None
         if shape.messages is not None and opts.upstream_tokenize:
@@ -124,10 +123,8 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
         keep_text = opts.local_count or opts.upstream_tokenize
         shape = replace(shape, messages=None, tokenize_json=count, size=shape.n_bytes,
                         text=shape.text if keep_text else "", prompt=shape.prompt if opts.upstream_tokenize else None)
-        if content is raw:
-            content, from_raw = None, "as sent"
-        elif content == with_member(raw, USAGE_MEMBER):
-            content, from_raw = None, "usage appended"
+        if from_raw is not None:  # the reader rebuilds it from the bytes it sent
+            content = None
         if tokenize is not None and "ids" in tokenize:
             try:  # 8 bytes an id across the pipe and back, not a pickled int each
                 tokenize = {"ids": array.array("q", tokenize["ids"])}
@@ -138,7 +135,7 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
     return RequestBody(content, model, salt, streaming, assemble, drop_usage, shape, prefixes,
                        message_bytes(body["messages"]) if prefixes else None,
                        int(body.get("priority") or 0), max_tokens if isinstance(max_tokens, int) else None,
-                       tokenize, from_raw)
+                       tokenize, from_raw if encoded else None)
 
 
 def _read_in_worker(raw: bytes, opts: BodyOptions) -> tuple:
@@ -325,15 +322,37 @@ def parse_body(raw: bytes, endpoint: str, max_messages: int = 4096, max_containe
     return body
 
 
+_WS = b" \t\r\n"
+_SLOT_SCAN = 4096  # whitespace looked through around a body's braces (more: it is re-encoded)
+
+
+def _member_slot(raw: bytes) -> tuple[int, int] | None:
+    """Where a member appended to the JSON object ``raw`` goes: (the offset of its ``{``, the
+    offset after its last member), or None when ``raw`` is not plainly a UTF-8 object. Reads
+    at most ``_SLOT_SCAN`` bytes at each end, whatever the body's size."""
+    head, tail = raw[:_SLOT_SCAN], raw[-_SLOT_SCAN:]
+    start, kept = len(head) - len(head.lstrip(_WS)), tail.rstrip(_WS)
+    if start == len(head) or not kept:  # (nothing but whitespace in a window)
+        return None
+    end = len(raw) - (len(tail) - len(kept))  # after the closing brace
+    if raw[start] != 0x7B or end < start + 2 or raw[end - 1] != 0x7D:
+        return None
+    before = raw[max(start + 1, end - 1 - _SLOT_SCAN):end - 1]  # what precedes the closing brace
+    last = before.rstrip(_WS)
+    if not last and end - 1 - len(before) > start + 1:
+        return None
+    return start, end - 1 - (len(before) - len(last))
+
+
 def with_member(raw: bytes, member: bytes) -> bytes | None:
     """``raw``, a JSON object in UTF-8 known to lack ``member``'s key, with ``member``
-    appended: the client's bytes otherwise as they came (no re-encoding of a long prompt).
-    None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
-    body = raw.strip(b" \t\r\n")
-    if not (body.startswith(b"{") and body.endswith(b"}")):
+    appended: the client's bytes otherwise as they came (no re-encoding of a long prompt;
+    one copy). None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
+    slot = _member_slot(raw)
+    if slot is None:
         return None
-    inner = body[:-1].rstrip(b" \t\r\n")
-    return inner + (b"" if inner == b"{" else b",") + member + b"}"
+    start, end = slot
+    return b"".join((memoryview(raw)[start:end], b"" if end == start + 1 else b",", member, b"}"))
 
 
 def _deeper_than(value: dict | list, limit: int) -> bool:

@@ -288,3 +288,28 @@ async def test_where_processes_cannot_be_made_every_body_is_read_inline(monkeypa
     big = chat(filler="x" * 5000)
     assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)
     assert not reader.offloads(len(big)) and reader._pool is None
+
+
+def _with_member_as_it_was(raw: bytes, member: bytes) -> bytes | None:
+    body = raw.strip(b" \t\r\n")
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        return None
+    inner = body[:-1].rstrip(b" \t\r\n")
+    return inner + (b"" if inner == b"{" else b",") + member + b"}"
+
+
+def test_with_member_copies_once_and_answers_as_the_plain_version_did():
+    """The slot is found from both ends (at most a few KB read); the answer is what stripping
+    and concatenating gave, except past 4 KB of whitespace at an end, which is re-encoded."""
+    import random
+    rnd = random.Random(3)
+    member = b'"k":1'
+    pads = [b"", b" ", b"\r\n", b"\t \n", b" " * 4095]
+    cores = [b"{}", b"{ }", b'{"a":1}', b'{"a": [1, {}]}', b"[1]", b'"x"', b"{", b"}", b"", b"{" + b"x" * 9000 + b"}"]
+    for _ in range(500):
+        raw = rnd.choice(pads) + rnd.choice(cores) + rnd.choice(pads)
+        if raw.startswith(b"{") and raw.endswith(b"}") and len(raw) > 2:
+            raw = raw[:-1] + rnd.choice(pads) + b"}"
+        assert with_member(raw, member) == _with_member_as_it_was(raw, member), raw[:40]
+    assert with_member(b"{" + b" " * 5000 + b'"a":1}' + b" " * 5000, member) is None  # (re-encoded)
+    assert with_member(b" " * 5000 + b'{"a":1}', member) is None
