@@ -30,7 +30,7 @@ from typing import Sequence
 
 from .assemble import convertible
 from .errors import BadRequest
-from .estimate import PromptShape, message_bytes, shape_of
+from .estimate import PromptShape, count_request, message_bytes, shape_of
 from .prefix_memory import prefix_hashes
 from .slicer import IdPrefixes, tokenize_payload
 
@@ -119,7 +119,7 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
     if encoded:  # for the trip back: what the reader needs, no more
         count = None
         if shape.messages is not None and opts.upstream_tokenize:
-            count = json.dumps({"model": model, "messages": shape.messages}).encode()
+            count = json.dumps(count_request(shape, model)).encode()
         keep_text = opts.local_count or opts.upstream_tokenize
         shape = replace(shape, messages=None, tokenize_json=count, size=shape.n_bytes,
                         text=shape.text if keep_text else "", prompt=shape.prompt if opts.upstream_tokenize else None)
@@ -218,26 +218,26 @@ class BodyReader:
 
     async def token_ids(self, answer: bytes) -> array.array:
         """``token_ids_of`` a /tokenize answer, in a worker when it is big (a long prompt's ids)."""
-        if not self.offloads(len(answer)):
-            return token_ids_of(answer)
-        return await self._in_worker(token_ids_of, answer)
+        return await self._run(len(answer), token_ids_of, answer)
 
     async def usage(self, answer: bytes) -> dict | None:
         """``usage_of`` a whole answer, in a worker when it is big (many choices, logprobs)."""
-        if not self.offloads(len(answer)):
-            return usage_of(answer)
-        return await self._in_worker(usage_of, answer)
+        return await self._run(len(answer), usage_of, answer)
 
     async def id_prefixes(self, ids: Sequence[int], block: int) -> IdPrefixes:
         """A slice run's ``IdPrefixes``, in a worker for a long prompt (250,000 ids took
         0.2 s to encode on the 2-core VM)."""
-        if not self.offloads(ID_BYTES * len(ids)):
-            return IdPrefixes(ids, block)
-        if not isinstance(ids, array.array):
+        if self.offloads(ID_BYTES * len(ids)) and not isinstance(ids, array.array):
             ids = array.array("q", ids)  # (8 bytes an id across the pipe)
-        return await self._in_worker(IdPrefixes, ids, block)
+        return await self._run(ID_BYTES * len(ids), IdPrefixes, ids, block)
 
-    async def _in_worker(self, fn, data, *args):
+    async def _run(self, size: int, fn, *args):
+        """``fn(*args)``: inline for ``size`` under the bound, else in a worker."""
+        if not self.offloads(size):
+            return fn(*args)
+        return await self._in_worker(fn, *args)
+
+    async def _in_worker(self, fn, *args):
         if self._pool is None:
             try:
                 self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
@@ -245,10 +245,10 @@ class BodyReader:
                 log.error("no body reader processes here (%s: %s); reading every body on the event loop",
                           type(exc).__name__, exc)
                 self.workers = 0
-                return fn(data, *args)
+                return fn(*args)
         pool = self._pool
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(pool, fn, data, *args)
+            answer = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except BrokenProcessPool:
             if self._pool is pool:
                 self._pool = None
@@ -260,7 +260,7 @@ class BodyReader:
                     log.error("body reader processes broke %d times in a row; reading every body on the event "
                               "loop for %g s", self.BREAKS_TO_PAUSE, self.PAUSE_S)
             log.warning("a body reader process died; doing its work (%s) on the event loop", fn.__name__)
-            return fn(data, *args)
+            return fn(*args)
         self._breaks = 0
         return answer
 

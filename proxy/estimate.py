@@ -37,8 +37,8 @@ class PromptShape:
     token_ids: int | None = None  # exact count when the prompt is token ids
     messages: list | None = None  # for the upstream's /tokenize
     prompt: Any = None
-    # Where the body was read in a worker (bodies.py) and the structures stayed there: that
-    # /tokenize request as JSON, and the text's size where no counter reads the text itself.
+    # Where the body was read in a worker (bodies.py) and the structures stayed there:
+    # count_request's JSON, and the text's size where no counter reads the text itself.
     tokenize_json: bytes | None = None
     size: int | None = None
 
@@ -186,6 +186,16 @@ class TiktokenCounter(_LocalCounter):
         return len(self._enc.encode(text, disallowed_special=()))
 
 
+def count_request(shape: PromptShape, model: str) -> dict:
+    """The upstream ``/tokenize`` request that counts this prompt, chat template included."""
+    req: dict[str, Any] = {"model": model}
+    if shape.messages is not None:
+        req["messages"] = shape.messages
+    else:
+        req["prompt"] = shape.prompt if isinstance(shape.prompt, str) else shape.text
+    return req
+
+
 class UpstreamTokenizeCounter:
     """Asks the upstream's ``/tokenize`` (vLLM): exact, chat template included."""
 
@@ -193,15 +203,8 @@ class UpstreamTokenizeCounter:
         self._post = post_tokenize
 
     async def count(self, shape: PromptShape, model: str) -> int:
-        if shape.tokenize_json is not None:  # read in a worker: the request came back encoded
-            data = await self._post(shape.tokenize_json)
-        else:
-            req: dict[str, Any] = {"model": model}
-            if shape.messages is not None:
-                req["messages"] = shape.messages
-            else:
-                req["prompt"] = shape.prompt if isinstance(shape.prompt, str) else shape.text
-            data = await self._post(req)
+        # (Read in a worker, the body's request came back encoded: count_request's JSON.)
+        data = await self._post(shape.tokenize_json if shape.tokenize_json is not None else count_request(shape, model))
         count = data.get("count")
         if not isinstance(count, int):
             raise ValueError("upstream /tokenize answered without an integer 'count'")

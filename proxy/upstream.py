@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
@@ -216,13 +217,10 @@ class UpstreamClient:
 
     async def post_json(self, upstream: str, path: str, payload: dict | bytes, timeout: float | None = None) -> dict:
         """POST ``payload`` (a dict, or its JSON already encoded) and read a JSON answer."""
-        headers = request_headers({"content-type": "application/json"} if isinstance(payload, bytes) else {},
-                                  self.api_key)
+        content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         with mapped_errors(upstream):
-            if isinstance(payload, bytes):
-                resp = await self._client.post(upstream + path, content=payload, timeout=timeout, headers=headers)
-            else:
-                resp = await self._client.post(upstream + path, json=payload, timeout=timeout, headers=headers)
+            resp = await self._client.post(upstream + path, content=content, timeout=timeout,
+                                           headers=request_headers({"content-type": "application/json"}, self.api_key))
         if resp.status_code != 200:
             raise UpstreamProtocolError(f"upstream {upstream}{path} answered {resp.status_code}")
         try:
