@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .admission import AdmissionPolicy, Limits, Slicing
 from .auth import OPEN_PATHS, KeyCheck
@@ -207,10 +208,13 @@ class GateApp:
             await self.api(scope, receive, send)
             return
         try:
-            req = await prepare(self.state, Request(scope, receive), endpoint)
+            req = await prepare(self.state, scope, receive, endpoint)
         except ProxyError as exc:
             self.state.metrics.requests.labels("interactive", OutcomeKind.BAD_REQUEST).inc()
             await exc.response()(scope, receive, send)
+            return
+        except ClientDisconnect:  # gone before its body's end: nothing to answer, nothing sent upstream
+            self.state.metrics.requests.labels("interactive", OutcomeKind.CLIENT_DISCONNECT).inc()
             return
         await GatedExchange(self.state, req)(scope, receive, send)
 
@@ -322,7 +326,7 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     gated("/v1/completions", CompletionRequest, "OpenAI completions, through the gate")
 
     async def passthrough(request: Request):
-        body = await read_body(request, state.settings.max_body_bytes)
+        body = await read_body(request.receive, request.headers, state.settings.max_body_bytes)
         return PassthroughExchange(
             state, state.pick_upstream(), request.method, request.url.path, request.url.query,
             dict(request.headers), body,

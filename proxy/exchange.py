@@ -14,9 +14,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import httpx
+from starlette.requests import ClientDisconnect
 
 from .admission import RequestClass, Slicing, Ticket
 from .assemble import Assembler
@@ -40,8 +41,6 @@ from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices
 from .upstream import UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
-    from starlette.requests import Request
-
     from .gate import Lease
     from .predict import GapWindow, Predictor
     from .state import AppState
@@ -53,17 +52,36 @@ PRIORITY_HEADER = "x-prefill-gate-priority"
 
 
 # ----------------------------------------------------------------------- receive
-async def read_body(request: "Request", limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+def client_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers from the ASGI scope as a dict: names as the server gives them
+    (lower case), values latin-1 decoded (any byte passes), in the order sent; of a repeated
+    header the first value (as starlette's ``Headers`` answer it)."""
+    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+    if len(out) < len(raw):  # a repeated name: the comprehension kept its last value
+        for k, v in reversed(raw):
+            out[k.decode("latin-1")] = v.decode("latin-1")
+    return out
+
+
+async def read_body(receive, headers: Mapping[str, str], limit: int) -> bytes:
+    """The request body from ASGI ``receive``, at most ``limit`` bytes (BodyTooLarge beyond,
+    before reading it where Content-Length says so). A client that leaves before its body's
+    end: ClientDisconnect."""
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body is {declared} bytes; the limit is {limit} (max_body_bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes (max_body_bytes)")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def classify(estimate: Estimate, threshold: int, override: str | None, allowed: str = "any") -> RequestClass:
@@ -126,22 +144,23 @@ class GatedRequest:
     token_ids: Sequence[int] | None = None  # slicing auto: counted exactly on arrival, reused by the slicer
 
 
-async def prepare(state: "AppState", request: "Request", endpoint: str) -> GatedRequest:
+async def prepare(state: "AppState", scope: dict, receive, endpoint: str) -> GatedRequest:
     """Receive, read (``bodies``: a big body in a worker process), estimate, classify:
-    a GatedRequest or a BadRequest."""
+    a GatedRequest, a BadRequest, or ClientDisconnect."""
     received_at = time.monotonic()
-    raw = await read_body(request, state.settings.max_body_bytes)
+    headers = client_headers(scope["headers"])
+    raw = await read_body(receive, headers, state.settings.max_body_bytes)
     body = await state.bodies.read(raw, endpoint)
-    return await _prepare(state, request, endpoint, body, received_at)
+    return await _prepare(state, scope["path"], headers, endpoint, body, received_at)
 
 
-async def _prepare(state: "AppState", request: "Request", endpoint: str, body: RequestBody,
+async def _prepare(state: "AppState", path: str, headers: dict[str, str], endpoint: str, body: RequestBody,
                    received_at: float) -> GatedRequest:
     settings = state.settings
     model, prefixes = body.model, body.prefixes
     hit = state.prefix_memory.longest(prefixes) if prefixes else None
     estimate = await state.estimator.estimate(body.shape, model, cached=hit.tokens if hit else 0)
-    cls = classify(estimate, settings.large_prefill_tokens, request.headers.get(CLASS_HEADER), settings.class_header)
+    cls = classify(estimate, settings.large_prefill_tokens, headers.get(CLASS_HEADER), settings.class_header)
     slice_payload = token_ids = None
     if cls is RequestClass.LARGE and settings.slicing != Slicing.OFF:
         slice_payload = body.tokenize
@@ -155,7 +174,7 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, body: R
             state.estimator.observe(model, estimate, len(token_ids))
             cached = min(estimate.cached, len(token_ids))
             estimate = Estimate(len(token_ids) - cached, "exact", estimate.n_bytes, estimate.n_messages, cached)
-            cls = classify(estimate, settings.large_prefill_tokens, request.headers.get(CLASS_HEADER),
+            cls = classify(estimate, settings.large_prefill_tokens, headers.get(CLASS_HEADER),
                            settings.class_header)
             if cls is not RequestClass.LARGE:  # smaller than estimated: nothing to hold or slice
                 slice_payload = token_ids = None
@@ -163,7 +182,7 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, body: R
         cls=cls,
         tokens=estimate.tokens,
         protected=body.streaming or body.assemble,  # a phase the proxy cannot see cannot be protected
-        priority=priority_of(body.priority, request.headers.get(PRIORITY_HEADER)),
+        priority=priority_of(body.priority, headers.get(PRIORITY_HEADER)),
         prefer=hit.upstream if hit else None,  # keep a conversation where its prefix is cached
         sliceable=slice_payload is not None,
         bytes=len(body.content),
@@ -171,7 +190,7 @@ async def _prepare(state: "AppState", request: "Request", endpoint: str, body: R
     state.metrics.estimated_tokens.labels(cls.value).observe(estimate.tokens)
     state.metrics.cached_tokens.observe(estimate.cached)
     prefix_tokens = state.estimator.prefix_tokens(body.message_bytes, model) if body.message_bytes is not None else None
-    return GatedRequest(endpoint, request.scope["path"], dict(request.headers), body.content, model, body.streaming,
+    return GatedRequest(endpoint, path, headers, body.content, model, body.streaming,
                         body.drop_usage, estimate, ticket, received_at, body.assemble, prefixes, prefix_tokens,
                         body.max_tokens, slice_payload, body.salt, token_ids)
 

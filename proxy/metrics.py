@@ -12,10 +12,10 @@ import bisect
 import gc
 import math
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from .labels import AdmissionLabel, ErrorKind, OutcomeKind
@@ -39,12 +39,12 @@ class Metrics:
         upstreams = list(upstreams)
         p = "prefill_gate_"
         r = registry
-        self.requests = Counter(p + "requests_total", "Requests through the gate by class and outcome.",
+        self.requests = LoopCounter(p + "requests_total", "Requests through the gate by class and outcome.",
                                 ["class", "outcome"], registry=r)
-        self.admissions = Counter(p + "admissions_total", "Admission decisions by class and how they ended.",
+        self.admissions = LoopCounter(p + "admissions_total", "Admission decisions by class and how they ended.",
                                   ["class", "decision"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Large prefills waiting in the queue.", registry=r)
-        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time large prefills spent queued.",
+        self.queue_wait = LoopHistogram(p + "queue_wait_seconds", "Time large prefills spent queued.",
                                     ["decision"], buckets=_WAIT, registry=r)
         self.live_decodes = Gauge(p + "live_decodes", "Protected requests in their decode phase.",
                                   ["upstream"], registry=r)
@@ -62,9 +62,9 @@ class Metrics:
                                ["upstream"], registry=r)
         self.upstream_up = Gauge(p + "upstream_up", "1 when the upstream's last health check passed.",
                                  ["upstream"], registry=r)
-        self.estimated_tokens = Histogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
+        self.estimated_tokens = LoopHistogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
                                           ["class"], buckets=_TOKENS, registry=r)
-        self.cached_tokens = Histogram(p + "estimated_cached_prompt_tokens",
+        self.cached_tokens = LoopHistogram(p + "estimated_cached_prompt_tokens",
                                        "Prompt tokens credited to the upstream's prefix cache.",
                                        buckets=(0,) + _TOKENS, registry=r)
         self.cache_credit_misses = Counter(
@@ -72,13 +72,13 @@ class Metrics:
             "Requests credited with a cached prefix that the upstream reported as not cached "
             "(usage.prompt_tokens_details.cached_tokens): evicted, so their class may be wrong.",
             registry=r)
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
+        self.ttft = LoopHistogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
                               ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
-        self.itl = ChunkHistogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
+        self.itl = LoopHistogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
                                   ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
         self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by kind.",
                                        ["upstream", "kind"], registry=r)
-        self.estimate_error = Histogram(p + "estimate_relative_error",
+        self.estimate_error = LoopHistogram(p + "estimate_relative_error",
                                         "|estimated - reported| / reported prompt tokens (0-1 is 0-100%).",
                                         buckets=_ERROR, registry=r)
         self.bytes_per_token = Gauge(p + "bytes_per_token", "Calibrated prompt bytes per token.", registry=r)
@@ -149,34 +149,66 @@ class Metrics:
         return lambda: gc.callbacks.remove(on_collection)
 
 
-class ChunkHistogram:
-    """A histogram for the per-chunk path, exported as prometheus_client's would be (the
-    same name, labels, buckets and samples). An observation is a bisect and two additions;
-    prometheus_client's takes a lock and walks the buckets (3.7% of the relay's CPU at 32
-    streams, observed per token). Observed and collected on the event loop's thread."""
+class _LoopMetric:
+    """A metric for the request and per-chunk paths, exported as prometheus_client's would be
+    (the same name, labels and samples; tests/test_metrics.py holds the two equal). Observed
+    and collected on the event loop's thread only, so without prometheus_client's lock; and
+    ``labels(...)`` is one dict lookup once a label set was seen (prometheus_client converts
+    and checks every value and takes a lock each call: with its Histogram.observe, ~10% of a
+    short request's CPU in the proxy's own code). A metric without labels is observed through
+    itself."""
 
-    def __init__(self, name: str, documentation: str, labelnames: list[str], *, buckets: Iterable[float],
+    _family: Any = None  # the *MetricFamily class
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (), *,
                  registry: CollectorRegistry):
         self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
-        self._bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], _ChunkHistogramChild] = {}
+        self._children: dict[tuple, Any] = {}  # by the label values as given, and as strings
+        self._by_str: dict[tuple[str, ...], Any] = {}  # each child once, in creation order
+        if not self._labelnames:
+            self._only = self.labels()
         registry.register(self)
 
-    def labels(self, *values) -> "_ChunkHistogramChild":
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: {len(self._labelnames)} label values, got {len(values)}")
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
+    def _child(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, *values) -> Any:
+        child = self._children.get(values)
         if child is None:
-            child = self._children[key] = _ChunkHistogramChild(self._bounds)
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name}: {len(self._labelnames)} label values, got {len(values)}")
+            key = tuple(str(v) for v in values)
+            child = self._by_str.get(key)
+            if child is None:
+                child = self._by_str[key] = self._child()
+            self._children[values] = child
         return child
 
-    def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+    def describe(self) -> list:
+        return [self._family(self._name, self._doc, labels=self._labelnames)]
+
+
+class LoopHistogram(_LoopMetric):
+    """A histogram: an observation is a bisect and two additions (prometheus_client's
+    takes a lock and walks the buckets: 3.7% of the relay's CPU at 32 streams when the
+    inter-token gaps were observed per token)."""
+
+    _family = HistogramMetricFamily
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (), *, buckets: Iterable[float],
+                 registry: CollectorRegistry):
+        self._bounds = tuple(float(b) for b in buckets)
+        super().__init__(name, documentation, labelnames, registry=registry)
+
+    def _child(self) -> "_HistogramChild":
+        return _HistogramChild(self._bounds)
+
+    def observe(self, value: float) -> None:
+        self._only.observe(value)
 
     def collect(self) -> list[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for key, child in self._children.items():
+        for key, child in self._by_str.items():
             total, buckets = 0, []
             for bound, count in zip(self._bounds + (math.inf,), child.counts):
                 total += count
@@ -185,7 +217,37 @@ class ChunkHistogram:
         return [family]
 
 
-class _ChunkHistogramChild:
+class LoopCounter(_LoopMetric):
+    """A counter (its name ends in ``_total``, as prometheus_client's exposition has it)."""
+
+    _family = CounterMetricFamily
+
+    def _child(self) -> "_CounterChild":
+        return _CounterChild()
+
+    def inc(self, amount: float = 1) -> None:
+        self._only.inc(amount)
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, child in self._by_str.items():
+            family.add_metric(list(key), child.value)
+        return [family]
+
+
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up: inc() takes a non-negative amount")
+        self.value += amount
+
+
+class _HistogramChild:
     __slots__ = ("_bounds", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]):

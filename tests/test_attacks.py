@@ -430,3 +430,37 @@ async def test_chunked_trailers_are_not_forwarded_as_headers(fake):
     assert head.startswith(b"HTTP/1.1 200")
     sent = fake.requests[-1].headers
     assert "x-smuggled" not in sent, dict(sent)
+
+
+async def test_a_client_that_leaves_mid_body_costs_nothing_upstream(fake):
+    """The body's first part, then the client is gone: no answer to send, nothing sent
+    upstream, no exception out of the app (uvicorn would log a traceback per such client),
+    counted as a client disconnect; a repeated header's first value is the one read."""
+    async with proxy_client(fake) as (_, state):
+        app = create_app(state, health_checks=False)
+        body = json.dumps(chat("x" * 100, stream=True)).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
+                 "server": ("proxy", 80), "client": ("1.2.3.4", 5),
+                 "headers": [(b"host", b"proxy"), (b"content-length", str(len(body)).encode())]}
+        messages = [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+        sent = []
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+    assert not sent and not fake.requests
+    assert state.metrics.registry.get_sample_value(
+        "prefill_gate_requests_total", {"class": "interactive", "outcome": "client_disconnect"}) == 1
+
+
+def test_client_headers_keep_order_and_a_repeated_headers_first_value():
+    from proxy.exchange import client_headers
+
+    raw = [(b"a", b"1"), (b"b", b"\xe9"), (b"a", b"2"), (b"c", b"3")]
+    assert list(client_headers(raw).items()) == [("a", "1"), ("b", "\xe9"), ("c", "3")]
+    assert client_headers([]) == {}

@@ -1,19 +1,20 @@
-"""The per-chunk histogram exports exactly what prometheus_client's Histogram would."""
+"""The proxy's own metrics (LoopHistogram, LoopCounter) export exactly what prometheus_client's would."""
 
 import random
 
 import pytest
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from proxy.metrics import _LATENCY, ChunkHistogram
+from proxy.labels import OutcomeKind
+from proxy.metrics import _LATENCY, LoopCounter, LoopHistogram
 
 
-def test_chunk_histogram_exposition_matches_prometheus_clients_histogram():
+def test_loop_histogram_exposition_matches_prometheus_clients_histogram():
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     args = ("prefill_gate_itl_seconds", "Gap between content chunks.", ["class", "large_prefill_in_flight"])
     reference = Histogram(*args, buckets=_LATENCY, registry=theirs)
-    chunked = ChunkHistogram(*args, buckets=_LATENCY, registry=ours)
+    chunked = LoopHistogram(*args, buckets=_LATENCY, registry=ours)
     for cls in ("interactive", "large"):
         for flag in ("true", "false"):
             reference.labels(cls, flag)
@@ -24,18 +25,56 @@ def test_chunk_histogram_exposition_matches_prometheus_clients_histogram():
         labels = ("interactive", "true") if i % 3 else ("large", "false")
         reference.labels(*labels).observe(value)
         chunked.labels(*labels).observe(value)
-    def series(registry):  # `prefill-gate serve` turns prometheus_client's _created off
-        return [line for line in generate_latest(registry).splitlines() if b"_created" not in line]
-
     assert series(ours) == series(theirs)
     count = ours.get_sample_value("prefill_gate_itl_seconds_count", {"class": "large", "large_prefill_in_flight": "false"})
     assert count == len(range(0, len(values), 3))
 
 
-def test_chunk_histogram_wants_every_label():
-    h = ChunkHistogram("x_seconds", "x", ["a", "b"], buckets=(1.0,), registry=CollectorRegistry())
+def test_loop_metrics_want_every_label():
+    h = LoopHistogram("x_seconds", "x", ["a", "b"], buckets=(1.0,), registry=CollectorRegistry())
     with pytest.raises(ValueError, match="2 label values"):
         h.labels("only-one")
+    c = LoopCounter("x_total", "x", ["a"], registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="1 label values"):
+        c.labels("one", "two")
+    with pytest.raises(ValueError, match="non-negative"):
+        c.labels("one").inc(-1)
+
+
+def series(registry):  # `prefill-gate serve` turns prometheus_client's _created off
+    return [line for line in generate_latest(registry).splitlines() if b"_created" not in line]
+
+
+def test_loop_counter_exposition_matches_prometheus_clients_counter():
+    """Label values given as strings or as the enums the proxy passes (str() is the value)
+    reach one child each, as in prometheus_client; a counter without labels counts itself."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    args = ("prefill_gate_requests_total", "Requests by class and outcome.", ["class", "outcome"])
+    reference, loop = Counter(*args, registry=theirs), LoopCounter(*args, registry=ours)
+    plain = (Counter("x_total", "x", registry=theirs), LoopCounter("x_total", "x", registry=ours))
+    for metric in (reference, loop):
+        metric.labels("large", "completed")  # pre-initialised: exported as 0
+    rng = random.Random(5)
+    for _ in range(2000):
+        cls, kind = rng.choice(["interactive", "large"]), rng.choice(list(OutcomeKind))
+        label = kind if rng.random() < 0.5 else kind.value
+        amount = rng.choice([1, 1, 2.5, 0])
+        reference.labels(cls, label).inc(amount)
+        loop.labels(cls, label).inc(amount)
+        for metric in plain:
+            metric.inc(amount)
+    assert series(ours) == series(theirs)
+    assert len(loop._by_str) == len(reference._metrics)
+
+
+def test_unlabelled_loop_histogram_matches():
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_tokens", "x", buckets=(0, 16, 256), registry=theirs)
+    loop = LoopHistogram("x_tokens", "x", buckets=(0, 16, 256), registry=ours)
+    for value in [0, 0, 3, 16, 17, 255, 256, 9999]:
+        reference.observe(value)
+        loop.observe(value)
+    assert series(ours) == series(theirs)
 
 
 def test_a_run_of_chunks_counts_as_its_observations():
@@ -43,8 +82,8 @@ def test_a_run_of_chunks_counts_as_its_observations():
     would: the per-chunk count and sum the metric promises."""
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     args = ("x_seconds", "x", ["a"])
-    one = ChunkHistogram(*args, buckets=_LATENCY, registry=ours).labels("v")
-    each = ChunkHistogram(*args, buckets=_LATENCY, registry=theirs).labels("v")
+    one = LoopHistogram(*args, buckets=_LATENCY, registry=ours).labels("v")
+    each = LoopHistogram(*args, buckets=_LATENCY, registry=theirs).labels("v")
     rng = random.Random(3)
     for _ in range(500):
         gap, n = rng.expovariate(50.0), rng.choice([1, 1, 2, 5, 40])
