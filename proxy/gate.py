@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import AsyncIterator
 
 from .admission import AdmissionPolicy, Decision, Phase, Ticket
 from .errors import QueueFull, QueueTimeout
@@ -110,14 +109,10 @@ class Gate:
             return None
         return self.policy.position(ticket), max(0.0, ticket.deadline - self.policy.clock())
 
-    @contextlib.asynccontextmanager
-    async def admission(self, ticket: Ticket) -> AsyncIterator[Lease]:
-        await self._acquire(ticket)
-        lease = Lease(self, ticket)
-        try:
-            yield lease
-        finally:
-            lease._release()
+    def admission(self, ticket: Ticket) -> "_Admission":
+        """``async with gate.admission(ticket) as lease``: in once admitted (QueueFull or
+        QueueTimeout instead); the lease is released when the block ends, however it ends."""
+        return _Admission(self, ticket)
 
     async def _acquire(self, ticket: Ticket) -> None:
         decision = self.policy.submit(ticket)
@@ -207,3 +202,20 @@ class Gate:
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(None)
+
+
+class _Admission:
+    """``Gate.admission``'s context (a class, not a generator: one per request)."""
+
+    __slots__ = ("_gate", "_ticket", "_lease")
+
+    def __init__(self, gate: Gate, ticket: Ticket) -> None:
+        self._gate, self._ticket, self._lease = gate, ticket, None
+
+    async def __aenter__(self) -> Lease:
+        await self._gate._acquire(self._ticket)
+        self._lease = Lease(self._gate, self._ticket)
+        return self._lease
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self._lease._release()

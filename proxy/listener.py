@@ -10,6 +10,9 @@ passes. The body is not under that deadline (a large upload may take its time; t
 request's own bounds apply to it). A chunked body's trailer fields never join the request's
 headers.
 
+Each request's ``send`` (its cycle) carries the connection's list of callbacks for its
+loss, which ``proxy.disconnect.DisconnectWatch`` joins instead of running a task per request.
+
 ``chunk_writer`` lets the relay write a streamed answer's parts from the upstream's read
 callback, without waking the request's task (see ``proxy.exchange.GatedExchange._pump``).
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 import uvicorn
 
+from .disconnect import ON_LOST
 from .settings import Settings
 
 try:  # uvicorn's httptools protocol; without httptools, its pure-Python h11 one
@@ -49,6 +53,7 @@ class HeadDeadline:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
+        self._on_lost: list = []  # what DisconnectWatch asks to run when this connection is lost
         self._arm_head()
 
     def data_received(self, data: bytes) -> None:
@@ -64,10 +69,13 @@ class HeadDeadline:
         before the app first runs, and they would be forwarded upstream as headers."""
         super().on_headers_complete()  # type: ignore[misc]
         self.scope["headers"] = list(self.scope["headers"])
+        setattr(self.cycle, ON_LOST, self._on_lost)  # a list, not this protocol: no reference cycle
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head()
         super().connection_lost(exc)  # type: ignore[misc]
+        for callback in tuple(self._on_lost):
+            callback()
 
     def _arm_head(self) -> None:
         self._head_cycle = self.cycle

@@ -277,7 +277,7 @@ class Exchange(Response):
             timer = asyncio.get_running_loop().call_later(self._deadline, self._end_with, UpstreamTimeout(
                 f"the request took longer than {self._deadline:g} s in all (max_request_seconds)"))
         try:
-            async with DisconnectWatch(receive) as self._watch:
+            async with DisconnectWatch(receive, send) as self._watch:
                 try:
                     await self.run(send)
                 except ProxyError as exc:

@@ -9,10 +9,9 @@ configured base URL and a path that the app's routes allow.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
@@ -81,21 +80,32 @@ def response_headers(headers: httpx.Headers, upstream: str | None = None) -> lis
     return out
 
 
-@contextlib.contextmanager
-def mapped_errors(upstream: str):
-    """Translate httpx exceptions raised inside the block into UpstreamError."""
-    try:
-        yield
-    except httpx.ConnectTimeout as exc:
-        raise UpstreamUnavailable(f"upstream {upstream} did not accept a connection in time") from exc
-    except httpx.ConnectError as exc:
-        raise UpstreamUnavailable(f"upstream {upstream} is unreachable: {exc}") from exc
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream {upstream} stayed silent past the read timeout") from exc
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.DecodingError, httpx.WriteError) as exc:
-        raise UpstreamProtocolError(f"upstream {upstream} broke the connection: {exc or type(exc).__name__}") from exc
-    except httpx.HTTPError as exc:
-        raise UpstreamUnavailable(f"upstream {upstream} failed: {exc or type(exc).__name__}") from exc
+class mapped_errors:
+    """Translate httpx exceptions raised inside the block into UpstreamError (a class, not a
+    generator: it is entered several times per request)."""
+
+    __slots__ = ("upstream",)
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None or not issubclass(exc_type, httpx.HTTPError):
+            return
+        upstream = self.upstream
+        if issubclass(exc_type, httpx.ConnectTimeout):
+            raise UpstreamUnavailable(f"upstream {upstream} did not accept a connection in time") from exc
+        if issubclass(exc_type, httpx.ConnectError):
+            raise UpstreamUnavailable(f"upstream {upstream} is unreachable: {exc}") from exc
+        if issubclass(exc_type, httpx.TimeoutException):
+            raise UpstreamTimeout(f"upstream {upstream} stayed silent past the read timeout") from exc
+        if issubclass(exc_type, (httpx.RemoteProtocolError, httpx.ReadError, httpx.DecodingError, httpx.WriteError)):
+            raise UpstreamProtocolError(f"upstream {upstream} broke the connection: {exc or exc_type.__name__}") \
+                from exc
+        raise UpstreamUnavailable(f"upstream {upstream} failed: {exc or exc_type.__name__}") from exc
 
 
 async def read_limited(resp: httpx.Response, upstream: str, limit: int) -> bytes:
@@ -110,6 +120,26 @@ async def read_limited(resp: httpx.Response, upstream: str, limit: int) -> bytes
                                             "(max_upstream_body_bytes)")
             chunks.append(chunk)
     return b"".join(chunks)
+
+
+class _Streamed:
+    """``UpstreamClient.stream``'s context (a class, not a generator: one per request)."""
+
+    __slots__ = ("_client", "_args", "_resp")
+
+    def __init__(self, client: "UpstreamClient", *args) -> None:
+        self._client, self._args, self._resp = client, args, None
+
+    async def __aenter__(self) -> httpx.Response:
+        self._resp = await self._client._open(*self._args)
+        return self._resp
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        resp, self._resp = self._resp, None
+        await resp.aclose()
+        # httpx's response and its bound stream refer to each other: a cycle per request
+        # for the cycle collector. Nothing reads the stream after aclose.
+        resp.stream = _CLOSED_STREAM
 
 
 class UpstreamClient:
@@ -158,32 +188,27 @@ class UpstreamClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    @contextlib.asynccontextmanager
-    async def stream(
-        self, upstream: str, method: str, path: str, headers: Mapping[str, str], content: bytes, query: str = ""
-    ) -> AsyncIterator[httpx.Response]:
-        """Send a request and yield the response once its headers arrived; the body is
-        read by the caller inside the block. Leaving the block closes the connection,
-        which is how vLLM learns that the client went away."""
+    def stream(self, upstream: str, method: str, path: str, headers: Mapping[str, str], content: bytes,
+               query: str = "") -> "_Streamed":
+        """``async with client.stream(...) as resp``: send a request, enter once its answer's
+        headers arrived; the body is read by the caller inside the block. Leaving the block
+        closes the connection, which is how vLLM learns that the client went away."""
+        return _Streamed(self, upstream, method, path, headers, content, query)
+
+    async def _open(self, upstream: str, method: str, path: str, headers: Mapping[str, str], content: bytes,
+                    query: str) -> httpx.Response:
         if upstream not in self.urls:
             raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
         out = request_headers(headers, self.api_key, self.drop_client_auth)
         with mapped_errors(upstream):
-            resp = None
             if self._fast is not None and method == "POST" and not query and _PLAIN_PATH.match(path):
                 resp = await self._post_fast(self._targets[upstream], path, out, content)
-            if resp is None:
-                client = self._client
-                req = client.build_request(method, upstream + path + (f"?{query}" if query else ""), headers=out,
-                                           content=content)
-                resp = await client.send(req, stream=True)
-        try:
-            yield resp
-        finally:
-            await resp.aclose()
-            # httpx's response and its bound stream refer to each other: a cycle per request
-            # for the cycle collector. Nothing reads the stream after aclose.
-            resp.stream = _CLOSED_STREAM
+                if resp is not None:
+                    return resp
+            client = self._client
+            req = client.build_request(method, upstream + path + (f"?{query}" if query else ""), headers=out,
+                                       content=content)
+            return await client.send(req, stream=True)
 
     async def _post_fast(self, target: "_Target", path: str, headers: dict, content: bytes) -> httpx.Response | None:
         """A POST straight to the transport (None: a header value that only httpx's own

@@ -32,13 +32,16 @@ def body(content, max_tokens, stream=True):
             "stream": stream}
 
 
-@pytest.fixture
-async def stack():
+@pytest.fixture(params=["uvicorn", "listener"])
+async def stack(request):
+    """The proxy behind uvicorn as it comes (DisconnectWatch's task waits on receive()) and
+    behind its own listener, as `prefill-gate serve` runs it (the connection's callback)."""
     engine = Engine(EngineConfig(max_num_batched_tokens=2048), COST)
     async with serve(create_sim_app(engine)) as sim_url:
         state = build_state(load_settings({"upstreams": [sim_url], "large_prefill_tokens": 1000}, environ={}),
                             registry=CollectorRegistry())
-        async with serve(create_app(state, health_checks=False)) as url:
+        listener = state.settings if request.param == "listener" else None
+        async with serve(create_app(state, health_checks=False), listener) as url:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 yield client, state, engine, sim_url
 
@@ -97,10 +100,16 @@ async def test_disconnect_while_prefilling(stack):
                   {"class": "large", "outcome": "client_disconnect"}) == 1
 
 
-async def test_disconnect_while_decoding(stack):
+def watcher_tasks() -> int:
+    return sum(t.get_coro().__qualname__ == "DisconnectWatch._watch" for t in asyncio.all_tasks())
+
+
+async def test_disconnect_while_decoding(stack, request):
     client, state, engine, _ = stack
     cm, b_stream = await start_b(client)
     await until(lambda: counts(state)[2] == 1)
+    # The simulator (plain uvicorn) watches B with a task; the proxy too unless behind its listener.
+    assert watcher_tasks() == (1 if "listener" in request.node.callspec.id else 2)
     await b_stream.__anext__()  # still streaming
     await cm.__aexit__(None, None, None)
     await until(lambda: counts(state) == (0, 0, 0, 0, 0))

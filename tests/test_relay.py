@@ -110,9 +110,11 @@ def test_each_error_names_its_outcome_and_labels_print_as_their_values():
     assert str(OutcomeKind.CLIENT_DISCONNECT) == "client_disconnect" and ErrorKind.of_status(503) == "http_5xx"
 
 
-async def test_finished_streams_leave_no_reference_cycles(fake):
+@pytest.mark.parametrize("listener", [False, True], ids=["uvicorn", "listener"])
+async def test_finished_streams_leave_no_reference_cycles(fake, listener):
     """Each request's objects go when it ends (reference counting), not at the next full
-    collection: with hundreds of streams, those collections stall every stream."""
+    collection: with hundreds of streams, those collections stall every stream. Behind
+    uvicorn as it comes and behind the proxy's own listener (DisconnectWatch's callback)."""
     import asyncio
     import gc
 
@@ -124,13 +126,15 @@ async def test_finished_streams_leave_no_reference_cycles(fake):
     from proxy.exchange import GatedExchange
     from proxy.relay import StreamObserver
 
-    app = create_app(make_state(httpx.MockTransport(fake)), health_checks=False)
+    state = make_state(httpx.MockTransport(fake))
+    app = create_app(state, health_checks=False)
+
     def proxys(o) -> bool:  # the test's own client makes httpx responses too
         if isinstance(o, httpx.Response):
             return str(o.request.url).startswith(UPSTREAM)
         return isinstance(o, (GatedExchange, DisconnectWatch, StreamObserver))
 
-    async with serve(app) as url, httpx.AsyncClient(base_url=url) as c:
+    async with serve(app, state.settings if listener else None) as url, httpx.AsyncClient(base_url=url) as c:
         await c.post(CHAT, json=chat(stream=True))  # warm: first-use caches
         await asyncio.sleep(0.05)
         gc.collect()

@@ -87,7 +87,7 @@ class _EngineResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            async with DisconnectWatch(receive) as watch:
+            async with DisconnectWatch(receive, send) as watch:
                 await self._send_tokens(send, watch)
         except OSError:  # the socket closed under a send: the client is gone
             pass
