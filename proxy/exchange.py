@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import httpx
 from starlette.requests import ClientDisconnect
 
 from .admission import RequestClass, Slicing, Ticket
@@ -38,7 +37,7 @@ from .relay import (
     send_body,
 )
 from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices
-from .upstream import UpstreamError, mapped_errors, read_limited, response_headers
+from .upstream import Answered, UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
     from .gate import Lease
@@ -390,7 +389,7 @@ class GatedExchange(Exchange):
             await send_body(send, b": prefill-gate queued position=%d max_wait_s=%.1f\n\n"
                             % (position + 1, left), True)
 
-    async def _relay_error_event(self, send, resp: httpx.Response, upstream: str) -> None:
+    async def _relay_error_event(self, send, resp: Answered, upstream: str) -> None:
         """An upstream error answer after keep-alives spent the status line: its JSON body
         unchanged as one SSE event (a non-JSON body wrapped in an OpenAI error)."""
         body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
@@ -405,7 +404,7 @@ class GatedExchange(Exchange):
                                          "param": None, "code": resp.status_code}}).encode()
         await self.end(send, b"data: " + data + b"\n\n" + DONE_EVENT)
 
-    async def _relay_whole(self, send, resp: httpx.Response, upstream: str) -> None:
+    async def _relay_whole(self, send, resp: Answered, upstream: str) -> None:
         body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
         if resp.status_code == 200:
             self.prefilled = True
@@ -414,10 +413,10 @@ class GatedExchange(Exchange):
         else:
             self.outcome.kind = OutcomeKind.UPSTREAM_HTTP_ERROR
             self.outcome.http_kind = ErrorKind.of_status(resp.status_code)
-        await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
+        await self.start(send, resp.status_code, response_headers(resp, upstream))
         await self.end(send, body)
 
-    async def _pump(self, resp: httpx.Response, upstream: str, observer: StreamObserver, handle,
+    async def _pump(self, resp: Answered, upstream: str, observer: StreamObserver, handle,
                     writer: ChunkWriter | None = None, *, events: bool = False) -> None:
         """Every read of the upstream's body through ``observer``, to ``await handle(out)``
         (out: the bytes the client gets), or with ``events`` to ``await handle(events)`` (the
@@ -447,9 +446,9 @@ class GatedExchange(Exchange):
         if not observer.done:
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
-    async def _relay_stream(self, send, resp: httpx.Response, upstream: str) -> None:
+    async def _relay_stream(self, send, resp: Answered, upstream: str) -> None:
         observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage)
-        await self.start(send, 200, response_headers(resp.headers, upstream))
+        await self.start(send, 200, response_headers(resp, upstream))
 
         async def forward(out: bytes) -> None:
             if out:
@@ -460,7 +459,7 @@ class GatedExchange(Exchange):
             self.outcome.kind = OutcomeKind.UPSTREAM_ERROR
         await self.end(send)
 
-    async def _relay_assembled(self, send, resp: httpx.Response, upstream: str) -> None:
+    async def _relay_assembled(self, send, resp: Answered, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
         observer = self.observer = StreamObserver(self._first_content, self._tokens)
         assembler = Assembler(self.req.endpoint)
@@ -558,7 +557,7 @@ class PassthroughExchange(Exchange):
     async def run(self, send) -> None:
         upstream = self.args[0]
         async with self.state.client.stream(*self.args) as resp:
-            await self.start(send, resp.status_code, response_headers(resp.headers, upstream))
+            await self.start(send, resp.status_code, response_headers(resp, upstream))
             await relay_raw(send, resp, upstream)
             await self.end(send)
 

@@ -50,7 +50,38 @@ def origin_of(url: httpx.URL) -> tuple[str, str, int]:
     return url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80)
 
 
-def body_reader(resp: httpx.Response):
+class Answer:
+    """An upstream's answer as ``FastTransport.open`` gives it: status, raw headers and the
+    body's stream, with the two extensions the relay reads (``body_reader``, ``body_sink``).
+    What the relay needs of an httpx.Response, without building one per request (its
+    headers object, decoded and re-encoded, was ~5% of a short request's CPU);
+    ``headers`` builds httpx's on demand."""
+
+    __slots__ = ("status_code", "raw_headers", "stream", "extensions", "_headers")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], stream: "_ResponseStream") -> None:
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self.stream = stream
+        self.extensions = {"http_version": b"HTTP/1.1", BODY_READER: stream.read, BODY_SINK: stream.set_sink}
+        self._headers: httpx.Headers | None = None
+
+    @property
+    def headers(self) -> httpx.Headers:
+        if self._headers is None:
+            self._headers = httpx.Headers(self.raw_headers)
+        return self._headers
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    def response(self) -> httpx.Response:
+        """The same answer as httpx's (for httpx's client, which wants one)."""
+        return httpx.Response(self.status_code, headers=self.raw_headers, stream=self.stream,
+                              extensions=self.extensions)
+
+
+def body_reader(resp: httpx.Response | Answer):
     """An async callable that answers the body's next bytes, or None at its end: straight
     from this transport's connection when the response came from it (the relay's path),
     else through httpx's ``aiter_raw`` (any other transport, e.g. the tests' in-memory ones).
@@ -69,7 +100,7 @@ def body_reader(resp: httpx.Response):
     return read_raw
 
 
-def body_sink(resp: httpx.Response, sink) -> bool:
+def body_sink(resp: httpx.Response | Answer, sink) -> bool:
     """Have ``sink(data) -> bool`` take the body's bytes in the connection's read callback,
     while the reader is parked in ``read()`` with nothing queued (so bytes keep their order):
     the relay's per-chunk path without a task switch. ``sink`` answers False to leave the
@@ -360,16 +391,17 @@ class FastTransport(httpx.AsyncBaseTransport):
         if url.scheme not in ("http", "https"):
             raise httpx.UnsupportedProtocol(f"{url.scheme!r} URLs are not supported")
         body = await request.aread()
-        return await self.open(request.method.encode(), origin_of(url), url.raw_path, request.headers.raw, body,
-                               request.extensions.get("timeout", {}))
+        answer = await self.open(request.method.encode(), origin_of(url), url.raw_path, request.headers.raw, body,
+                                 request.extensions.get("timeout", {}))
+        return answer.response()
 
     async def open(self, method: bytes, origin: tuple, target: bytes, headers: list[tuple[bytes, bytes]],
-                   body: bytes, timeouts: dict) -> httpx.Response:
+                   body: bytes, timeouts: dict) -> Answer:
         """One request from its parts, without an httpx.Request: `headers` complete (Host and
         Content-Length included) and checked by the caller (no CR or LF anywhere). The
-        response is httpx's, its body read through `body_reader`. ``UpstreamClient`` sends
-        the gated requests this way: httpx's client (URL parsing, header merging, cookies,
-        auth and redirect machinery) cost a third of a proxied request's CPU."""
+        answer's body is read through `body_reader`. ``UpstreamClient`` sends the gated
+        requests this way: httpx's client (URL parsing, header merging, cookies, auth and
+        redirect machinery) cost a third of a proxied request's CPU."""
         head = bytearray(b"%s %s HTTP/1.1\r\n" % (method, target))
         for name, value in headers:
             head += name + b": " + value + b"\r\n"
@@ -395,7 +427,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             self._release_slot()
             raise
 
-    async def _exchange(self, conn: _Connection, method: bytes, payload: bytes, timeouts) -> httpx.Response:
+    async def _exchange(self, conn: _Connection, method: bytes, payload: bytes, timeouts) -> Answer:
         conn.transport.write(payload)
         read_timeout = timeouts.get("read")
         try:
@@ -410,10 +442,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             self._discard(conn)
             raise
         no_body = method == b"HEAD" or conn.status in (204, 304)
-        stream = _ResponseStream(self, conn, read_timeout, no_body)
-        return httpx.Response(conn.status, headers=conn.headers, stream=stream,
-                              extensions={"http_version": b"HTTP/1.1", BODY_READER: stream.read,
-                                          BODY_SINK: stream.set_sink})
+        return Answer(conn.status, conn.headers, _ResponseStream(self, conn, read_timeout, no_body))
 
     async def _checkout(self, origin: tuple, connect_timeout: float | None) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)

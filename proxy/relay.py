@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
@@ -31,7 +30,7 @@ from .errors import (
 )
 from .labels import ErrorKind, OutcomeKind
 from .fasthttp import body_reader
-from .upstream import mapped_errors
+from .upstream import Answered, mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _LF = ord("\n")
@@ -317,7 +316,7 @@ class Exchange(Response):
             pass
 
 
-async def relay_raw(send, resp: httpx.Response, upstream: str) -> None:
+async def relay_raw(send, resp: Answered, upstream: str) -> None:
     """Forward a body unchanged, chunk by chunk (passthrough paths)."""
     read = body_reader(resp)
     with mapped_errors(upstream):

@@ -23,14 +23,17 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, FastTransport, body_reader, origin_of
+from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, Answer, FastTransport, body_reader, origin_of
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _CLOSED_STREAM = httpx.ByteStream(b"")
+# What ``UpstreamClient.stream`` enters with: the fast transport's Answer for the gated POSTs,
+# httpx's response for the rest (and for tests' in-memory transports).
+Answered = httpx.Response | Answer
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
                  "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
-_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "trailer", "upgrade",
-                  "proxy-authenticate", "date", "server"}
+_DROP_RESPONSE = {b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
+                  b"proxy-authenticate", b"date", b"server"}
 
 
 _HTTPX_DEFAULTS = ("accept", "connection", "user-agent")  # (accept-encoding: request_headers sets it)
@@ -66,17 +69,20 @@ def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client
     return out
 
 
-def response_headers(headers: httpx.Headers, upstream: str | None = None) -> list[tuple[bytes, bytes]]:
-    """The upstream's response headers for the client; a redirect to the upstream's own
-    address is made relative, so the internal address does not leak."""
+def response_headers(resp: Answered, upstream: str | None = None) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers for the client, as the bytes it sent (names in lower
+    case); a redirect to the upstream's own address is made relative, so the internal
+    address does not leak."""
+    raw = resp.raw_headers if type(resp) is Answer else resp.headers.raw
+    prefix = upstream.encode() if upstream is not None else None
     out = []
-    for k, v in headers.multi_items():
+    for k, v in raw:
         name = k.lower()
         if name in _DROP_RESPONSE:
             continue
-        if name == "location" and upstream is not None and v.startswith(upstream):
-            v = v[len(upstream):] or "/"
-        out.append((k.encode("latin-1"), v.encode("latin-1")))
+        if name == b"location" and prefix is not None and v.startswith(prefix):
+            v = v[len(prefix):] or b"/"
+        out.append((name, v))
     return out
 
 
@@ -108,7 +114,7 @@ class mapped_errors:
         raise UpstreamUnavailable(f"upstream {upstream} failed: {exc or exc_type.__name__}") from exc
 
 
-async def read_limited(resp: httpx.Response, upstream: str, limit: int) -> bytes:
+async def read_limited(resp: Answered, upstream: str, limit: int) -> bytes:
     """A response body read whole, at most ``limit`` bytes (UpstreamProtocolError beyond)."""
     chunks, size = [], 0
     read = body_reader(resp)
@@ -130,7 +136,7 @@ class _Streamed:
     def __init__(self, client: "UpstreamClient", *args) -> None:
         self._client, self._args, self._resp = client, args, None
 
-    async def __aenter__(self) -> httpx.Response:
+    async def __aenter__(self) -> Answered:
         self._resp = await self._client._open(*self._args)
         return self._resp
 
@@ -196,7 +202,7 @@ class UpstreamClient:
         return _Streamed(self, upstream, method, path, headers, content, query)
 
     async def _open(self, upstream: str, method: str, path: str, headers: Mapping[str, str], content: bytes,
-                    query: str) -> httpx.Response:
+                    query: str) -> Answered:
         if upstream not in self.urls:
             raise UpstreamUnavailable(f"{upstream} is not a configured upstream")
         out = request_headers(headers, self.api_key, self.drop_client_auth)
@@ -210,7 +216,7 @@ class UpstreamClient:
                                        content=content)
             return await client.send(req, stream=True)
 
-    async def _post_fast(self, target: "_Target", path: str, headers: dict, content: bytes) -> httpx.Response | None:
+    async def _post_fast(self, target: "_Target", path: str, headers: dict, content: bytes) -> Answer | None:
         """A POST straight to the transport (None: a header value that only httpx's own
         checks should see, e.g. a line break in a configured key)."""
         raw = [(b"host", target.host)]

@@ -464,3 +464,36 @@ def test_client_headers_keep_order_and_a_repeated_headers_first_value():
     raw = [(b"a", b"1"), (b"b", b"\xe9"), (b"a", b"2"), (b"c", b"3")]
     assert list(client_headers(raw).items()) == [("a", "1"), ("b", "\xe9"), ("c", "3")]
     assert client_headers([]) == {}
+
+
+@pytest.mark.parametrize("path", ["fast", "httpx"])
+async def test_an_upstream_header_over_0x7f_passes_byte_exact(fake, path):
+    """An answer's header bytes reach the client as sent: a UTF-8 value (here a euro sign,
+    outside latin-1) was decoded by httpx's guess and re-encoded as latin-1, which raised
+    (the request failed) or changed the bytes."""
+    value = "price \u20ac5 caf\xe9".encode()
+    if path == "fast":  # the gated POST over FastTransport: a real socket upstream
+        async def handler(reader, writer, srv):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-note: " + value
+                         + b"\r\ntransfer-encoding: chunked\r\n\r\n" + chunk(b'data: {"choices":[]}\n\n')
+                         + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+
+        async with Server(handler) as srv:
+            state = build_state(load_settings({"upstreams": [srv.url]}, environ={}), registry=CollectorRegistry())
+            app = create_app(state, health_checks=False)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+                r = await c.post(CHAT, json=chat("hi", stream=True))
+        state.bodies.close()
+    else:  # a passthrough GET over httpx's client
+        from conftest import response
+
+        async def noted(request):
+            if request.url.path == "/v1/models":
+                return response(200, {"data": []}, headers={"x-note": value})
+            return await fake(request)
+
+        async with proxy_client(noted) as (c, _):
+            r = await c.get("/v1/models")
+    assert r.status_code == 200 and (b"x-note", value) in r.headers.raw
