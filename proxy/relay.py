@@ -249,6 +249,10 @@ class Exchange(Response):
             self._ended_by = error
             self._task.cancel()
 
+    def _overdue(self) -> None:
+        self._end_with(UpstreamTimeout(f"the request took longer than {self._deadline:g} s in all "
+                                       "(max_request_seconds)"))
+
     async def run(self, send) -> None:
         raise NotImplementedError
 
@@ -273,8 +277,7 @@ class Exchange(Response):
             self._registry.add(self)
         timer = None
         if self._deadline is not None:
-            timer = asyncio.get_running_loop().call_later(self._deadline, self._end_with, UpstreamTimeout(
-                f"the request took longer than {self._deadline:g} s in all (max_request_seconds)"))
+            timer = asyncio.get_running_loop().call_later(self._deadline, self._overdue)
         try:
             async with DisconnectWatch(receive, send) as self._watch:
                 try:
