@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from .assemble import convertible
 from .errors import BadRequest
@@ -170,6 +170,19 @@ def usage_of(answer: bytes) -> dict | None:
     return usage if isinstance(usage, dict) else None
 
 
+def is_json(data: bytes) -> bool:
+    """Whether ``data`` parses as JSON (in any of the encodings json.loads detects)."""
+    try:
+        json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
 def _unpacked(answer: tuple, raw: bytes) -> RequestBody:
     """A worker's answer to ``_read_in_worker(raw, ...)``, with its content rebuilt from the
     bytes sent (a BadRequest raised)."""
@@ -223,6 +236,16 @@ class BodyReader:
     async def usage(self, answer: bytes) -> dict | None:
         """``usage_of`` a whole answer, in a worker when it is big (many choices, logprobs)."""
         return await self._run(len(answer), usage_of, answer)
+
+    async def is_json(self, data: bytes) -> bool:
+        """``is_json(data)``, in a worker when it is big (an upstream's error body)."""
+        return await self._run(len(data), is_json, data)
+
+    async def encode(self, obj: Any, size: int) -> bytes:
+        """``obj`` as JSON bytes, in a worker when ``size`` (what it was read from) is big: an
+        answer the proxy assembled from a long stream (logprobs: tens of MB, 0.1-0.3 s of
+        json.dumps) would hold the loop, and every stream on it, while it is encoded."""
+        return await self._run(size, json_bytes, obj)
 
     async def id_prefixes(self, ids: Sequence[int], block: int) -> IdPrefixes:
         """A slice run's ``IdPrefixes``, in a worker for a long prompt (250,000 ids took

@@ -395,12 +395,11 @@ class GatedExchange(Exchange):
         body = await read_limited(resp, upstream, self.state.settings.max_upstream_body_bytes)
         self.outcome.kind = OutcomeKind.UPSTREAM_HTTP_ERROR
         self.outcome.http_kind = ErrorKind.of_status(resp.status_code)
-        try:
-            json.loads(body)
+        if await self.state.bodies.is_json(body):
             # One line (an SSE data field cannot hold newlines; in JSON they are only whitespace).
             data = body.strip().replace(b"\r", b" ").replace(b"\n", b" ")
-        except ValueError:
-            data = json.dumps({"error": {"message": body.decode(errors="replace")[:2000], "type": "upstream_error",
+        else:
+            data = json.dumps({"error": {"message": body[:8000].decode(errors="replace")[:2000], "type": "upstream_error",
                                          "param": None, "code": resp.status_code}}).encode()
         await self.end(send, b"data: " + data + b"\n\n" + DONE_EVENT)
 
@@ -479,7 +478,7 @@ class GatedExchange(Exchange):
                     assembler.add(obj)
 
         await self._pump(resp, upstream, observer, assemble, events=True)
-        body = json.dumps(assembler.response()).encode()
+        body = await self.state.bodies.encode(assembler.response(), seen)
         await self.start(send, 200, [(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())])
         await self.end(send, body)

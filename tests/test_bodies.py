@@ -13,6 +13,7 @@ import pytest
 
 from proxy.bodies import (
     ID_BYTES,
+    is_json,
     USAGE_MEMBER,
     BodyOptions,
     BodyReader,
@@ -243,6 +244,26 @@ async def test_a_big_answers_usage_is_found_in_a_worker_as_inline(answer, usage)
         assert usage_of(answer) == usage == await reader.usage(answer) and reader._pool is not None
     finally:
         reader.close()
+
+
+async def test_big_error_bodies_and_assembled_answers_are_done_in_a_worker_as_inline():
+    """An upstream's error body is checked for JSON, and an answer the proxy assembled is
+    encoded, in a worker when big: the same answers as inline, for bodies that nest past
+    the recursion limit too."""
+    big = {"choices": [{"message": {"content": "caf\xe9 \u20ac" * 2000}, "logprobs": [{"t": i} for i in range(500)]}]}
+    cases = [json.dumps(big).encode(), b"{" + b" " * 6000, b"[" * 200_000 + b"]" * 200_000, b"not json" * 1000]
+    reader = BodyReader({}, offload_bytes=4096, workers=1)
+    try:
+        assert await reader.encode(big, 100) == json.dumps(big).encode()  # (read from 100 bytes: inline)
+        assert await reader.is_json(b'{"error": 1}') and not await reader.is_json(b"{")
+        assert reader._pool is None
+        assert all(reader.offloads(len(c)) for c in cases)
+        assert [await reader.is_json(c) for c in cases] == [True, False, False, False]
+        assert await reader.encode(big, len(cases[0])) == json.dumps(big).encode()
+        assert reader._pool is not None
+    finally:
+        reader.close()
+    assert [is_json(c) for c in cases] == [True, False, False, False]
 
 
 async def test_pools_that_keep_breaking_pause_the_offload_instead_of_a_process_per_request(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from tests.conftest import (
     CHAT,
@@ -98,16 +99,20 @@ async def test_keepalive_then_timeout_reject_is_an_in_stream_error(fake):
         assert state.policy.queue_depth == 0
 
 
-async def test_upstream_error_after_keepalive_is_an_error_event(fake):
+@pytest.mark.parametrize("fail,event", [
+    ("400", b'data: {"object": "error", "message": "bad thing", "code": 400}\n\n'),  # JSON: relayed as sent
+    ("500", b'data: {"error": {"message": "engine dead", "type": "upstream_error", "param": null, "code": 500}}\n\n'),
+])
+async def test_upstream_error_after_keepalive_is_an_error_event(fake, fail, event):
     async with proxy_client(fake, upstreams=[UP], sse_keepalive=0.05) as (c, state):
         b = await hold_stream(c, fake)
-        a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True, fail="400")))
+        a = asyncio.create_task(c.post(CHAT, json=chat("x" * 40000, stream=True, fail=fail)))
         await asyncio.sleep(0.2)
         fake.release.set()
         await b
         r = await asyncio.wait_for(a, 5)
         assert r.status_code == 200
-        assert b'data: {"object": "error", "message": "bad thing", "code": 400}\n\n' in r.content
+        assert event in r.content
         assert r.content.endswith(b"data: [DONE]\n\n")
         assert sample(state.metrics.registry, "prefill_gate_requests_total",
                       {"class": "large", "outcome": "upstream_http_error"}) == 1
