@@ -243,8 +243,9 @@ class BodyReader:
 
     async def encode(self, obj: Any, size: int) -> bytes:
         """``obj`` as JSON bytes, in a worker when ``size`` (what it was read from) is big: an
-        answer the proxy assembled from a long stream (logprobs: tens of MB, 0.1-0.3 s of
-        json.dumps) would hold the loop, and every stream on it, while it is encoded."""
+        answer the proxy assembled from a long stream would hold the loop, and every stream on
+        it, while it is encoded (16 MB of text: 110-146 ms of json.dumps on the 2-core VM;
+        pickling it to the worker 16-53 ms)."""
         return await self._run(size, json_bytes, obj)
 
     async def id_prefixes(self, ids: Sequence[int], block: int) -> IdPrefixes:
