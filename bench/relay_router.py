@@ -77,7 +77,8 @@ def level(text: str) -> tuple[int, float]:
 
 def gc_pauses(url: str) -> dict[str, float] | None:
     """The proxy's cycle-collector pauses so far (its gc_pause_seconds): collections, full
-    ones, pauses over 5 ms, seconds paused. None: a proxy that does not time them."""
+    ones, pauses over 5 ms, seconds paused, and per generation (``g0``, ``g1``, ``g2``) its
+    collections, seconds and collections under 1 ms. None: a proxy that does not time them."""
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
@@ -87,16 +88,23 @@ def gc_pauses(url: str) -> dict[str, float] | None:
     if family is None:
         return None
     out = {"collections": 0.0, "full": 0.0, "over_5ms": 0.0, "paused_s": 0.0}
+    for g in "012":
+        out.update({f"g{g}_collections": 0.0, f"g{g}_paused_s": 0.0, f"g{g}_under_1ms": 0.0})
     for s in family.samples:
+        g = "g" + s.labels["generation"]
         if s.name.endswith("_count"):
             out["collections"] += s.value
             out["over_5ms"] += s.value
+            out[g + "_collections"] += s.value
             if s.labels["generation"] == "2":
                 out["full"] += s.value
         elif s.name.endswith("_sum"):
             out["paused_s"] += s.value
+            out[g + "_paused_s"] += s.value
         elif s.labels.get("le") == "0.005":
             out["over_5ms"] -= s.value
+        elif s.labels.get("le") == "0.001":
+            out[g + "_under_1ms"] += s.value
     return out
 
 
@@ -199,8 +207,10 @@ def main(argv=None) -> int:
         print("\nprefill-gate's cycle-collector pauses per turn (its gc_pause_seconds):")
         for r in timed:
             g = r["gc"]
-            print(f"  {r['level']} round {r['round']}: {g['collections']:.0f} collections, {g['full']:.0f} full, "
-                  f"{g['over_5ms']:.0f} over 5 ms, {g['paused_s'] * 1e3:.1f} ms paused in all")
+            print(f"  {r['level']} round {r['round']} {r['target']}: {g['collections']:.0f} collections, "
+                  f"{g['full']:.0f} full, {g['over_5ms']:.0f} over 5 ms, {g['paused_s'] * 1e3:.1f} ms paused in all"
+                  + (f"; middle generation {g['g1_collections']:.0f} ({g['g1_under_1ms']:.0f} under 1 ms, "
+                     f"{g['g1_paused_s'] * 1e3:.1f} ms)" if "g1_collections" in g else ""))
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),

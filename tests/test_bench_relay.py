@@ -95,3 +95,27 @@ def test_relay_read_records_every_case_against_a_baseline(tmp_path):
     cases = {(r["target"], r["streams"], r["events"]) for r in record["rows"]}
     assert len(cases) == 8 and all(len(r["samples_us"]) == 2 and r["us_min"] > 0 for r in record["rows"])
     assert record["baseline"]["commit"] == "same" and "git_commit" in record
+
+
+def test_gc_pauses_reads_each_generation_from_the_proxys_metrics(monkeypatch):
+    """relay_router's collector summary, from the histogram the proxy exports (its real
+    exposition), per generation: collections, seconds, collections under 1 ms."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from proxy.metrics import Metrics
+
+    relay_router = _bench("relay_router")
+    metrics = Metrics(CollectorRegistry(), [])
+    for generation, seconds in [(0, 0.0002), (0, 0.0003), (1, 0.0004), (1, 0.003), (2, 0.02)]:
+        metrics.gc_pause.labels(str(generation)).observe(seconds)
+    page = generate_latest(metrics.registry).decode()
+
+    class Answer:
+        text = page
+
+    monkeypatch.setattr(relay_router.httpx, "get", lambda url, timeout: Answer())
+    out = relay_router.gc_pauses("http://proxy")
+    assert (out["collections"], out["full"], out["over_5ms"]) == (5, 1, 1)
+    assert (out["g0_collections"], out["g0_under_1ms"]) == (2, 2)
+    assert (out["g1_collections"], out["g1_under_1ms"], out["g2_collections"]) == (2, 1, 1)
+    assert out["g1_paused_s"] == pytest.approx(0.0034) and out["paused_s"] == pytest.approx(0.0239)
