@@ -11,13 +11,14 @@ one when the proxy is idle (at most every ``IDLE_GAP_S``), or, under load that n
 ``FULL_EVERY_S`` apart, so that the cycles an error path does make are still reclaimed.
 
 The younger collections stay automatic, in small steps: CPython collects the middle
-generation after ten young collections, scanning everything that survived them (up to
-~7,700 objects: new requests' objects in a burst of arrivals), which held the loop 3.7-5.3 ms
-on average on the 2-core VM at 512 streams, in the streams' delay p99.9. With its threshold at 0
-it is collected with every other young collection (at most two young generations' worth),
-and what survives that goes to the oldest generation, where the deferred full collections
-find it: the same 512 streams saw 44-45 middle collections a turn, 37-43 of them under
-1 ms, instead of 7-8 over 1 ms, and less time in the collector in all (docs/RESULTS.md 3g).
+generation after ten young collections, scanning everything that survived them (new
+requests' objects in a burst of arrivals): 3.2-4.2 ms each on average on the 2-core VM at
+512 streams, in the streams' delay p99.9. With its threshold at 0 it is collected with every
+other young collection (at most two young generations' worth), and what survives that goes
+to the oldest generation, where the deferred full collections find it: the same 512 streams
+saw 44-45 middle collections a turn, 41-45 of them under 1 ms, and less time in the
+collector in all; on the H200 host the streams' delay p99.9 went from 1.2-3.2 to 0.8-1.6 ms
+(docs/RESULTS.md 3h).
 """
 
 from __future__ import annotations
