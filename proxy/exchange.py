@@ -399,8 +399,9 @@ class GatedExchange(Exchange):
             # One line (an SSE data field cannot hold newlines; in JSON they are only whitespace).
             data = body.strip().replace(b"\r", b" ").replace(b"\n", b" ")
         else:
-            data = json.dumps({"error": {"message": body[:8000].decode(errors="replace")[:2000], "type": "upstream_error",
-                                         "param": None, "code": resp.status_code}}).encode()
+            message = body[:8000].decode(errors="replace")[:2000]
+            data = json.dumps({"error": {"message": message, "type": "upstream_error", "param": None,
+                                         "code": resp.status_code}}).encode()
         await self.end(send, b"data: " + data + b"\n\n" + DONE_EVENT)
 
     async def _relay_whole(self, send, resp: Answered, upstream: str) -> None:

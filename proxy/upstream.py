@@ -25,11 +25,11 @@ from .errors import (
 )
 from .fasthttp import MAX_HEAD_BYTES, MAX_HEADERS, Answer, FastTransport, body_reader, origin_of
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _CLOSED_STREAM = httpx.ByteStream(b"")
 # What ``UpstreamClient.stream`` enters with: the fast transport's Answer for the gated POSTs,
 # httpx's response for the rest (and for tests' in-memory transports).
 Answered = httpx.Response | Answer
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
                  "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
 _DROP_RESPONSE = {b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
