@@ -54,23 +54,16 @@ class Answer:
     """An upstream's answer as ``FastTransport.open`` gives it: status, raw headers and the
     body's stream, with the two extensions the relay reads (``body_reader``, ``body_sink``).
     What the relay needs of an httpx.Response, without building one per request (its
-    headers object, decoded and re-encoded, was ~5% of a short request's CPU);
-    ``headers`` builds httpx's on demand."""
+    headers object, decoded and re-encoded, was ~5% of a short request's CPU); ``response()``
+    is the httpx.Response where one is wanted."""
 
-    __slots__ = ("status_code", "raw_headers", "stream", "extensions", "_headers")
+    __slots__ = ("status_code", "raw_headers", "stream", "extensions")
 
     def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], stream: "_ResponseStream") -> None:
         self.status_code = status_code
         self.raw_headers = raw_headers
         self.stream = stream
         self.extensions = {"http_version": b"HTTP/1.1", BODY_READER: stream.read, BODY_SINK: stream.set_sink}
-        self._headers: httpx.Headers | None = None
-
-    @property
-    def headers(self) -> httpx.Headers:
-        if self._headers is None:
-            self._headers = httpx.Headers(self.raw_headers)
-        return self._headers
 
     async def aclose(self) -> None:
         await self.stream.aclose()
