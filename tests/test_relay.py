@@ -111,9 +111,12 @@ def test_each_error_names_its_outcome_and_labels_print_as_their_values():
 
 
 @pytest.mark.parametrize("listener", [False, True], ids=["uvicorn", "listener"])
-async def test_finished_streams_leave_no_reference_cycles(fake, listener):
+@pytest.mark.parametrize("ending", ["finished", "client_left"])
+async def test_streams_leave_no_reference_cycles(fake, listener, ending):
     """Each request's objects go when it ends (reference counting), not at the next full
-    collection: with hundreds of streams, those collections stall every stream. Behind
+    collection: with hundreds of streams, those collections stall every stream, and what
+    survives two young collections waits for a full one (proxy/collector.py). Whether the
+    stream finished or its client left mid-stream (the disconnect cancels the request), behind
     uvicorn as it comes and behind the proxy's own listener (DisconnectWatch's callback)."""
     import asyncio
     import gc
@@ -135,21 +138,35 @@ async def test_finished_streams_leave_no_reference_cycles(fake, listener):
         return isinstance(o, (GatedExchange, DisconnectWatch, StreamObserver))
 
     async with serve(app, state.settings if listener else None) as url, httpx.AsyncClient(base_url=url) as c:
-        await c.post(CHAT, json=chat(stream=True))  # warm: first-use caches
+        async def one() -> None:
+            if ending == "finished":
+                r = await c.post(CHAT, json=chat(stream=True))
+                assert r.status_code == 200 and b"[DONE]" in r.content
+                return
+            async with httpx.AsyncClient(base_url=url) as own:  # its connection closes on leaving
+                async with own.stream("POST", CHAT, json=chat(stream=True, hold=True)) as r:
+                    async for data in r.aiter_raw():
+                        if b'"content"' in data:
+                            break
+
+        await one()  # warm: first-use caches
         await asyncio.sleep(0.05)
         gc.collect()
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
             for _ in range(3):
-                r = await c.post(CHAT, json=chat(stream=True))
-                assert r.status_code == 200 and b"[DONE]" in r.content
-            await asyncio.sleep(0.05)  # the disconnect watchers finish being cancelled
+                await one()
+            await asyncio.sleep(0.2)  # the disconnects reach the proxy; its requests end
             gc.collect()
             cyclic = sorted({type(o).__name__ for o in gc.garbage if proxys(o)})
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
-    assert cyclic == []
+            fake.release.set()
+    assert cyclic == [] and not state.exchanges  # (every request ended)
+    if ending == "client_left":
+        assert state.metrics.registry.get_sample_value(
+            "prefill_gate_requests_total", {"class": "interactive", "outcome": "client_disconnect"}) == 4
 
 
 def test_observer_reports_one_reads_chunks_in_one_call():
