@@ -180,6 +180,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._stop_timer()
+        # The parser holds this connection's callbacks, this connection the parser: a
+        # reference cycle per closed connection (an abort, an error, an idle expiry) until a
+        # full collection (proxy/collector.py). Nothing is parsed after the connection's end.
+        self.parser = None
         if self.head_done and self.until_eof and exc is None:
             self.complete = True
         if not self.complete and self.error is None:
@@ -476,6 +480,10 @@ class FastTransport(httpx.AsyncBaseTransport):
     def _discard(self, conn: _Connection) -> None:
         conn.close()
         self._open.discard(conn)
+        # Its error, once raised, holds a traceback whose frames hold the connection: a
+        # reference cycle per failed answer until a full collection (proxy/collector.py).
+        # A discarded connection is read no more.
+        conn.error = None
 
     def _release_slot(self) -> None:
         if self._slots is not None:

@@ -212,6 +212,24 @@ class Outcome:
     http_kind: ErrorKind | None = None
 
 
+def _untraced(exc: BaseException) -> BaseException:
+    """``exc``, and every exception it chains, without their tracebacks. An error kept on the
+    exchange (its outcome) with its traceback holds the frames it passed through, and they
+    hold the exchange: a reference cycle per failed request, which only a full collection
+    frees (proxy/collector.py defers those; an upstream that fails every request would pile
+    them up meanwhile)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += (e.__cause__, e.__context__)
+    return exc
+
+
 async def send_start(send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
 
@@ -283,7 +301,7 @@ class Exchange(Response):
                 try:
                     await self.run(send)
                 except ProxyError as exc:
-                    self.outcome.error = exc
+                    self.outcome.error = _untraced(exc)
                     self.outcome.kind = exc.outcome
                     await self._send_error(send, exc)
                 except OSError:  # the socket went away under a send

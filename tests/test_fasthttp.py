@@ -396,3 +396,65 @@ async def test_bytes_taken_by_a_sink_move_the_read_deadline():
             assert b"".join(got + taken) == b"".join(b"data: %d\n\n" % i for i in range(10))
             assert len(taken) >= 8  # all but what arrived before the reader first parked
         srv.event("done").set()
+
+
+@pytest.mark.parametrize("ending", ["reset_mid_body", "malformed_body", "reset_before_head", "left_unread", "read_whole"])
+async def test_upstream_connections_that_end_leave_no_reference_cycles(ending):
+    """A connection closed by an error, an abort (a body left unread: how vLLM learns the
+    client left) or the upstream goes by reference counting: its parser held its callbacks
+    (a cycle per closed connection), and a raised error kept on it held frames that hold it.
+    What survives two young collections waits for a full one (proxy/collector.py)."""
+    import gc
+
+    from proxy.errors import UpstreamError
+    from proxy.upstream import UpstreamClient, read_limited
+
+    async def handler(reader, writer, srv):
+        while True:
+            await read_request(reader)
+            if ending == "reset_before_head":
+                writer.transport.abort()
+                return
+            writer.write(HEAD_SSE + chunk(b"data: 1\n\n"))
+            await writer.drain()
+            if ending == "reset_mid_body":
+                writer.transport.abort()
+                return
+            if ending == "malformed_body":
+                writer.write(b"zz\r\nnot chunked\r\n")
+                await writer.drain()
+                return
+            if ending == "left_unread":
+                await asyncio.sleep(5)
+            writer.write(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            if ending == "read_whole":
+                writer.transport.close()  # the upstream ends the keep-alive
+                return
+
+    def ours(o) -> bool:
+        return type(o).__module__ == "proxy.fasthttp"
+
+    async with Server(handler) as srv:
+        up = UpstreamClient([srv.url])
+
+        async def one() -> None:
+            with contextlib.suppress(UpstreamError):
+                async with up.stream(srv.url, "POST", "/v1/completions", {}, b"{}") as resp:
+                    if ending != "left_unread":
+                        await read_limited(resp, srv.url, 1 << 20)
+            await asyncio.sleep(0.05)  # the closed connections' connection_lost
+
+        await one()  # warm
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                await one()
+            gc.collect()
+            cyclic = sorted({type(o).__name__ for o in gc.garbage if ours(o)})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            await up.aclose()
+    assert cyclic == []

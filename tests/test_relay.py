@@ -111,13 +111,15 @@ def test_each_error_names_its_outcome_and_labels_print_as_their_values():
 
 
 @pytest.mark.parametrize("listener", [False, True], ids=["uvicorn", "listener"])
-@pytest.mark.parametrize("ending", ["finished", "client_left"])
+@pytest.mark.parametrize("ending", ["finished", "client_left", "midstream", "no_done", "connect", "timeout"])
 async def test_streams_leave_no_reference_cycles(fake, listener, ending):
     """Each request's objects go when it ends (reference counting), not at the next full
     collection: with hundreds of streams, those collections stall every stream, and what
     survives two young collections waits for a full one (proxy/collector.py). Whether the
-    stream finished or its client left mid-stream (the disconnect cancels the request), behind
-    uvicorn as it comes and behind the proxy's own listener (DisconnectWatch's callback)."""
+    stream finished, its client left mid-stream (the disconnect cancels the request) or the
+    upstream failed (mid-stream, without [DONE], unreachable, silent: the error kept on the
+    exchange held its traceback, whose frames held the exchange), behind uvicorn as it comes
+    and behind the proxy's own listener (DisconnectWatch's callback)."""
     import asyncio
     import gc
 
@@ -139,9 +141,9 @@ async def test_streams_leave_no_reference_cycles(fake, listener, ending):
 
     async with serve(app, state.settings if listener else None) as url, httpx.AsyncClient(base_url=url) as c:
         async def one() -> None:
-            if ending == "finished":
-                r = await c.post(CHAT, json=chat(stream=True))
-                assert r.status_code == 200 and b"[DONE]" in r.content
+            if ending != "client_left":
+                r = await c.post(CHAT, json=chat(stream=True, **({} if ending == "finished" else {"fail": ending})))
+                assert (b'"error"' in r.content) == (ending != "finished")  # (a 5xx or an error event)
                 return
             async with httpx.AsyncClient(base_url=url) as own:  # its connection closes on leaving
                 async with own.stream("POST", CHAT, json=chat(stream=True, hold=True)) as r:
