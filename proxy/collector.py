@@ -4,11 +4,12 @@ CPython starts a full collection by itself once enough objects have survived the
 younger generations. With hundreds of live streams that happens every few seconds, and each
 one stops the event loop for as long as scanning every object the requests hold takes:
 tens of milliseconds at 512 streams, every stream's chunk held that long (docs/RESULTS.md,
-section 3d). The proxy makes almost no cyclic garbage (a finished request
-leaves no reference cycle: tests/test_relay.py), so full collections have almost nothing to
-free. ``defer_full_collections`` turns the automatic ones off, and ``FullCollections`` runs
-one when the proxy is idle (at most every ``IDLE_GAP_S``), or, under load that never pauses,
-``FULL_EVERY_S`` apart, so that the cycles an error path does make are still reclaimed.
+section 3d). The proxy makes almost no cyclic garbage (a request leaves no reference cycle
+however it ends, nor does an upstream connection: tests/test_relay.py, tests/test_fasthttp.py),
+so full collections have almost nothing to free. ``defer_full_collections`` turns the
+automatic ones off, and ``FullCollections`` runs one when the proxy is idle (at most every
+``IDLE_GAP_S``), or, under load that never pauses, ``FULL_EVERY_S`` apart, so that a cycle
+that does form (a library's, a path no test covers) is still reclaimed.
 
 The younger collections stay automatic, in small steps: CPython collects the middle
 generation after ten young collections, scanning everything that survived them (new
