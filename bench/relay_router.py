@@ -109,13 +109,13 @@ def gc_pauses(url: str) -> dict[str, float] | None:
 
 
 def measure_relay(url: str | list[str], pids: list[int], streams: int, tokens: int, interval: float,
-                  procs: int = 1, gated: bool = False) -> dict:
+                  procs: int = 1, gated: bool = False, ttft_samples: int = 20) -> dict:
     """``measure`` through a relay, with the CPU of its processes ``pids`` over the turn (per
     chunk, and per process as the share of a core it kept busy) and, where ``gated`` (one
     prefill-gate at ``url``), the proxy's cycle-collector pauses in the turn."""
     gc0 = gc_pauses(url) if gated else None
     cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
-    row = measure(url, streams, tokens, interval, procs=procs)
+    row = measure(url, streams, tokens, interval, procs=procs, ttft_samples=ttft_samples)
     wall = time.monotonic() - t0
     cpu = sum(map(cpu_seconds, pids)) - cpu0 if pids else None
     gc1 = gc_pauses(url) if gc0 is not None else None
@@ -156,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-commit", help="the baseline's commit, where DIR is a copy without .git")
     ap.add_argument("--load-procs", type=int, default=1, help="load generator processes (the streams split evenly)")
     ap.add_argument("--upstream-procs", type=int, default=1, help="stamping upstream processes on one socket")
+    ap.add_argument("--ttft-samples", type=int, default=20,
+                    help="run each level's streams again until this many have started (20: one run from 20 "
+                         "streams up; a TTFT p99 of fewer samples is their maximum)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not args.router or not os.access(args.router, os.X_OK):
@@ -194,7 +197,8 @@ def main(argv=None) -> int:
                 for name, (url, pid) in targets.items():
                     print(f"[relay] {text} round {rnd + 1}: {name}", file=sys.stderr)
                     row = measure_relay(url, [pid] if pid else [], streams, args.tokens, interval,
-                                        args.load_procs, gated=name.startswith("prefill-gate"))
+                                        args.load_procs, gated=name.startswith("prefill-gate"),
+                                        ttft_samples=args.ttft_samples)
                     row.update(level=text, round=rnd + 1, target=name, streams=streams, interval_s=interval)
                     rows.append(row)
     print(table(rows, COLUMNS))
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
                      f"{g['g1_paused_s'] * 1e3:.1f} ms)" if "g1_collections" in g else ""))
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
-                               "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
+                               "ttft_samples": args.ttft_samples, "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
                                "router": args.router, "floor": args.floor, "baseline": args.baseline and {"dir": args.baseline,
                                                                                      "commit": base_commit},

@@ -119,3 +119,13 @@ def test_gc_pauses_reads_each_generation_from_the_proxys_metrics(monkeypatch):
     assert (out["g0_collections"], out["g0_under_1ms"]) == (2, 2)
     assert (out["g1_collections"], out["g1_under_1ms"], out["g2_collections"]) == (2, 1, 1)
     assert out["g1_paused_s"] == pytest.approx(0.0034) and out["paused_s"] == pytest.approx(0.0239)
+
+
+def test_a_level_runs_again_until_enough_first_tokens():
+    """A TTFT p99 of one run of 32 streams is their slowest first token: levels run again
+    until at least ``ttft_samples`` streams started (20 by default: one run from 20 streams)."""
+    from proxy.bench.overhead import rounds_for
+
+    assert [rounds_for(n) for n in (1, 3, 20, 32, 512)] == [20, 7, 1, 1, 1]
+    assert [rounds_for(n, 200) for n in (1, 32, 128, 512)] == [200, 7, 2, 1]
+    assert all(rounds_for(n, k) * n >= k for n in range(1, 600, 7) for k in (1, 20, 200))

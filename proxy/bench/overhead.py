@@ -160,11 +160,17 @@ async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delay
         writer.close()
 
 
+def rounds_for(total: int, ttft_samples: int = 20) -> int:
+    """How many times a level's ``total`` streams run one after another, for at least
+    ``ttft_samples`` first tokens (each stream gives one)."""
+    return max(1, -(-ttft_samples // total))
+
+
 async def _measure_part(url: str, streams: int, tokens: int, interval: float, sync: bool, index: int,
-                        procs: int, total: int) -> tuple[list, list, float, list]:
+                        procs: int, total: int, ttft_samples: int = 20) -> tuple[list, list, float, list]:
     """Process `index` of `procs`: its `streams` of the level's `total`, each started in its
-    slot of the spread (slots interleave across processes). Returns (TTFTs, chunk delays,
-    wall seconds, chunk arrival times)."""
+    slot of the spread (slots interleave across processes), `rounds_for(total, ttft_samples)`
+    times. Returns (TTFTs, chunk delays, wall seconds, chunk arrival times)."""
     ttfts: list[float] = []
     delays: list[float] = []
     arrivals: list[float] = []
@@ -177,8 +183,7 @@ async def _measure_part(url: str, streams: int, tokens: int, interval: float, sy
         await asyncio.sleep(spread * (index + k * procs) / total)
         await _one_stream(url, tokens, interval, ttfts, delays, sync, arrivals)
 
-    rounds = max(1, 20 // total)  # at least 20 TTFT samples per level
-    for _ in range(rounds):
+    for _ in range(rounds_for(total, ttft_samples)):
         await asyncio.gather(*(staggered(k) for k in range(streams)))
     return ttfts, delays, time.monotonic() - t0, arrivals
 
@@ -220,12 +225,14 @@ def load_plan(urls: Sequence[str], streams: int, procs: int) -> list[tuple[str, 
 
 
 def measure(url: str | Sequence[str], streams: int, tokens: int, interval: float, sync: bool = False,
-            procs: int = 1) -> dict:
+            procs: int = 1, ttft_samples: int = 20) -> dict:
     """Every stream's TTFT and per-chunk delay; the streams spread over `procs` load
-    processes (one asyncio process tops out near 5,000 chunks/s of its own parsing).
-    Several URLs: load process i sends to ``url[i % len(url)]`` (at least one process each)."""
+    processes (one asyncio process tops out near 5,000 chunks/s of its own parsing), run
+    again until at least `ttft_samples` streams started (a TTFT p99 of 32 first tokens is
+    their maximum). Several URLs: load process i sends to ``url[i % len(url)]`` (at least
+    one process each)."""
     plan = load_plan([url] if isinstance(url, str) else list(url), streams, procs)
-    parts = [(u, n, tokens, interval, sync, i, len(plan), streams) for i, (u, n) in enumerate(plan)]
+    parts = [(u, n, tokens, interval, sync, i, len(plan), streams, ttft_samples) for i, (u, n) in enumerate(plan)]
     if len(parts) == 1:
         results = [_part(parts[0])]
     else:
