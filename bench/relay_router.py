@@ -217,7 +217,8 @@ def main(argv=None) -> int:
                      f"{g['g1_paused_s'] * 1e3:.1f} ms)" if "g1_collections" in g else ""))
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
-                               "ttft_samples": args.ttft_samples, "rounds": args.rounds, "relay_cpus": sorted(relay_cpus or []),
+                               "ttft_samples": args.ttft_samples, "rounds": args.rounds,
+                               "relay_cpus": sorted(relay_cpus or []),
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
                                "router": args.router, "floor": args.floor, "baseline": args.baseline and {"dir": args.baseline,
                                                                                      "commit": base_commit},

@@ -47,7 +47,7 @@ from .estimate import (
     TokenizerJsonCounter,
     UpstreamTokenizeCounter,
 )
-from .exchange import GatedExchange, PassthroughExchange, prepare, read_body
+from .exchange import GatedExchange, PassthroughExchange, client_headers, prepare, read_body
 from .gate import Gate
 from .gateway import add_held, upstream_page
 from .labels import OutcomeKind
@@ -326,10 +326,10 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     gated("/v1/completions", CompletionRequest, "OpenAI completions, through the gate")
 
     async def passthrough(request: Request):
-        body = await read_body(request.receive, request.headers, state.settings.max_body_bytes)
+        headers = client_headers(request.scope["headers"])
+        body = await read_body(request.receive, headers, state.settings.max_body_bytes)
         return PassthroughExchange(
-            state, state.pick_upstream(), request.method, request.url.path, request.url.query,
-            dict(request.headers), body,
+            state, state.pick_upstream(), request.method, request.url.path, request.url.query, headers, body,
         )
 
     app.add_api_route("/v1/{rest:path}", passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)

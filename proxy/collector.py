@@ -34,8 +34,6 @@ FULL_EVERY_S = 300.0  # the longest a proxy that is never idle goes between full
 IDLE_GAP_S = 10.0  # the shortest gap between two (idle moments come and go under bursty load)
 CHECK_EVERY_S = 1.0
 _NEVER = 1 << 30  # a third threshold no count reaches
-
-
 MIDDLE_THRESHOLD = 0  # the middle generation collected with every other young collection
 
 

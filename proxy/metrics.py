@@ -40,12 +40,12 @@ class Metrics:
         p = "prefill_gate_"
         r = registry
         self.requests = LoopCounter(p + "requests_total", "Requests through the gate by class and outcome.",
-                                ["class", "outcome"], registry=r)
+                                    ["class", "outcome"], registry=r)
         self.admissions = LoopCounter(p + "admissions_total", "Admission decisions by class and how they ended.",
-                                  ["class", "decision"], registry=r)
+                                      ["class", "decision"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Large prefills waiting in the queue.", registry=r)
         self.queue_wait = LoopHistogram(p + "queue_wait_seconds", "Time large prefills spent queued.",
-                                    ["decision"], buckets=_WAIT, registry=r)
+                                        ["decision"], buckets=_WAIT, registry=r)
         self.live_decodes = Gauge(p + "live_decodes", "Protected requests in their decode phase.",
                                   ["upstream"], registry=r)
         self.large_in_flight = Gauge(p + "large_prefills_in_flight", "Large prefills still prefilling.",
@@ -63,24 +63,24 @@ class Metrics:
         self.upstream_up = Gauge(p + "upstream_up", "1 when the upstream's last health check passed.",
                                  ["upstream"], registry=r)
         self.estimated_tokens = LoopHistogram(p + "estimated_prompt_tokens", "Estimated uncached prompt tokens.",
-                                          ["class"], buckets=_TOKENS, registry=r)
+                                              ["class"], buckets=_TOKENS, registry=r)
         self.cached_tokens = LoopHistogram(p + "estimated_cached_prompt_tokens",
-                                       "Prompt tokens credited to the upstream's prefix cache.",
-                                       buckets=(0,) + _TOKENS, registry=r)
+                                           "Prompt tokens credited to the upstream's prefix cache.",
+                                           buckets=(0,) + _TOKENS, registry=r)
         self.cache_credit_misses = Counter(
             p + "cache_credit_misses_total",
             "Requests credited with a cached prefix that the upstream reported as not cached "
             "(usage.prompt_tokens_details.cached_tokens): evicted, so their class may be wrong.",
             registry=r)
         self.ttft = LoopHistogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
-                              ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
+                                  ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
         self.itl = LoopHistogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
-                                  ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
+                                 ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
         self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by kind.",
                                        ["upstream", "kind"], registry=r)
         self.estimate_error = LoopHistogram(p + "estimate_relative_error",
-                                        "|estimated - reported| / reported prompt tokens (0-1 is 0-100%).",
-                                        buckets=_ERROR, registry=r)
+                                            "|estimated - reported| / reported prompt tokens (0-1 is 0-100%).",
+                                            buckets=_ERROR, registry=r)
         self.bytes_per_token = Gauge(p + "bytes_per_token", "Calibrated prompt bytes per token.", registry=r)
         self.can_slice = Gauge(p + "upstream_can_slice",
                                "1 when the upstream caches prefixes and answers /tokenize (slicing possible).",
