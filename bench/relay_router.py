@@ -78,7 +78,8 @@ def level(text: str) -> tuple[int, float]:
 def gc_pauses(url: str) -> dict[str, float] | None:
     """The proxy's cycle-collector pauses so far (its gc_pause_seconds): collections, full
     ones, pauses over 5 ms, seconds paused, and per generation (``g0``, ``g1``, ``g2``) its
-    collections, seconds and collections under 1 ms. None: a proxy that does not time them."""
+    collections, seconds, collections under 1 ms and under each bucket's bound (``g0_le_0.0001``:
+    see ``longest_pause``). None: a proxy that does not time them."""
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
@@ -101,11 +102,25 @@ def gc_pauses(url: str) -> dict[str, float] | None:
         elif s.name.endswith("_sum"):
             out["paused_s"] += s.value
             out[g + "_paused_s"] += s.value
-        elif s.labels.get("le") == "0.005":
-            out["over_5ms"] -= s.value
-        elif s.labels.get("le") == "0.001":
-            out[g + "_under_1ms"] += s.value
+        else:  # a bucket: collections that took at most its bound
+            le = s.labels["le"]
+            if le != "+Inf":
+                out[f"{g}_le_{float(le):g}"] = out.get(f"{g}_le_{float(le):g}", 0.0) + s.value
+            if le == "0.005":
+                out["over_5ms"] -= s.value
+            elif le == "0.001":
+                out[g + "_under_1ms"] += s.value
     return out
+
+
+def longest_pause(gc: dict, generation: int) -> float | None:
+    """The least bucket bound (seconds) that every collection of ``generation`` in ``gc`` (a
+    turn's difference of two ``gc_pauses``) stayed under: its longest pause, to a bucket;
+    None: none collected, or one past the last bound."""
+    g = f"g{generation}"
+    n = gc.get(g + "_collections", 0)
+    bounds = sorted(float(k[len(g) + 4:]) for k in gc if k.startswith(g + "_le_"))
+    return next((b for b in bounds if n and gc[f"{g}_le_{b:g}"] >= n), None)
 
 
 def measure_relay(url: str | list[str], pids: list[int], streams: int, tokens: int, interval: float,
@@ -138,6 +153,20 @@ def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
             if target != "vllm-router" and "vllm-router" in cpu:
                 out.setdefault(lvl, {}).setdefault(target, []).append(round(us / cpu["vllm-router"], 2))
     return out
+
+
+def pause_summary(g: dict) -> str:
+    """One turn's collector pauses (a difference of two ``gc_pauses``) in a line."""
+    text = (f"{g['collections']:.0f} collections, {g['full']:.0f} full, {g['over_5ms']:.0f} over 5 ms, "
+            f"{g['paused_s'] * 1e3:.1f} ms paused in all")
+    for n, name in ((0, "young"), (1, "middle")):
+        count = g.get(f"g{n}_collections")
+        if count:
+            longest = longest_pause(g, n)
+            text += (f"; {name} {count:.0f} (average {g[f'g{n}_paused_s'] / count * 1e6:.0f} us, "
+                     f"{count - g.get(f'g{n}_le_0.00025', 0):.0f} over 0.25 ms, longest "
+                     f"{'<= %g ms' % (longest * 1e3) if longest else 'over the last bucket'})")
+    return text
 
 
 COLUMNS = [("level", "level"), ("target", "target"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
@@ -210,11 +239,7 @@ def main(argv=None) -> int:
     if timed:
         print("\nprefill-gate's cycle-collector pauses per turn (its gc_pause_seconds):")
         for r in timed:
-            g = r["gc"]
-            print(f"  {r['level']} round {r['round']} {r['target']}: {g['collections']:.0f} collections, "
-                  f"{g['full']:.0f} full, {g['over_5ms']:.0f} over 5 ms, {g['paused_s'] * 1e3:.1f} ms paused in all"
-                  + (f"; middle generation {g['g1_collections']:.0f} ({g['g1_under_1ms']:.0f} under 1 ms, "
-                     f"{g['g1_paused_s'] * 1e3:.1f} ms)" if "g1_collections" in g else ""))
+            print(f"  {r['level']} round {r['round']} {r['target']}: {pause_summary(r['gc'])}")
     if args.json:
         write_json(args.json, {"bench": "relay_router", "levels": args.levels, "tokens": args.tokens,
                                "ttft_samples": args.ttft_samples, "rounds": args.rounds,

@@ -119,6 +119,11 @@ def test_gc_pauses_reads_each_generation_from_the_proxys_metrics(monkeypatch):
     assert (out["g0_collections"], out["g0_under_1ms"]) == (2, 2)
     assert (out["g1_collections"], out["g1_under_1ms"], out["g2_collections"]) == (2, 1, 1)
     assert out["g1_paused_s"] == pytest.approx(0.0034) and out["paused_s"] == pytest.approx(0.0239)
+    assert relay_router.longest_pause(out, 0) == 0.0005  # 0.3 ms: above the 0.25 ms bound
+    assert relay_router.longest_pause(out, 1) == 0.005 and relay_router.longest_pause(out, 2) == 0.025
+    assert relay_router.longest_pause({**out, "g1_collections": 0.0}, 1) is None
+    beyond = {k: 0.0 if k.startswith("g2_le_") else v for k, v in out.items()}  # longer than the last bound
+    assert relay_router.longest_pause(beyond, 2) is None
 
 
 def test_a_level_runs_again_until_enough_first_tokens():
