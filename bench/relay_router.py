@@ -1,7 +1,7 @@
 """prefill-gate's relay against vllm-router (the Rust router for vLLM), side by side (issue 27).
 
     python3 bench/relay_router.py --router /tmp/vr/bin/vllm-router --json F \\
-        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR] [--floor]
+        [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR ...] [--floor]
         [--load-procs N] [--upstream-procs N]
 
 One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
@@ -19,7 +19,8 @@ all threads, from /proc, over the level). Direct has no relay: its delay is the 
 ``--baseline DIR``: a fourth target, the prefill-gate of another checkout (e.g. ``git
 worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the same CPU in
 the same turns: a before/after in one run, where this VM's drift between runs (CPU per chunk
-of the same code 20-40% apart on different days) would swamp it. ``--floor``: also
+of the same code 20-40% apart on different days) would swamp it. Given more than once, one
+target each (``--baseline-commit`` names them in the same order, where a DIR has no ``.git``). ``--floor``: also
 ``bench/relay_floor.py`` (``uvloop-pipe``), a TCP pipe in uvloop's callbacks: the least CPU
 any relay in Python can spend per chunk. Each prefill-gate turn also records the proxy's
 cycle-collector pauses (its ``prefill_gate_gc_pause_seconds``, before and after the turn).
@@ -68,6 +69,19 @@ def router(binary: str, worker: str, cpus: set[int] | None) -> Service:
     return Service(name="vllm-router", port=port, cpus=cpus, timeout=60,
                    argv=[binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
                          "--policy", "round_robin", "--log-level", "warning"])
+
+
+def baselines_of(dirs: list[str], commits: list[str]) -> list[dict]:
+    """``--baseline`` and ``--baseline-commit`` paired in order: each baseline's directory and
+    name, a directory without a name named by its git HEAD."""
+    if len(commits) > len(dirs):
+        raise SystemExit("more --baseline-commit than --baseline")
+    out = [{"dir": d, "commit": commits[i] if i < len(commits) else subprocess.run(
+        ["git", "-C", d, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()}
+        for i, d in enumerate(dirs)]
+    if len({b["commit"] for b in out}) < len(out):
+        raise SystemExit("two baselines with one name: give each its own --baseline-commit")
+    return out
 
 
 def level(text: str) -> tuple[int, float]:
@@ -180,9 +194,11 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="1x5,32x5,128x20,512x80")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline", help="a checkout of another commit: its prefill-gate as a fourth target")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="a checkout of another commit: its prefill-gate as one more target (repeatable)")
     ap.add_argument("--floor", action="store_true", help="also bench/relay_floor.py, a plain TCP pipe on uvloop")
-    ap.add_argument("--baseline-commit", help="the baseline's commit, where DIR is a copy without .git")
+    ap.add_argument("--baseline-commit", action="append", default=[],
+                    help="a baseline's commit, where its DIR is a copy without .git (repeatable, in --baseline's order)")
     ap.add_argument("--load-procs", type=int, default=1, help="load generator processes (the streams split evenly)")
     ap.add_argument("--upstream-procs", type=int, default=1, help="stamping upstream processes on one socket")
     ap.add_argument("--ttft-samples", type=int, default=20,
@@ -197,23 +213,18 @@ def main(argv=None) -> int:
     if relay_cpus:
         os.sched_setaffinity(0, set(cpus[:-1]))
     rows = []
-    baseline = None
-    if args.baseline:
-        base_commit = args.baseline_commit or subprocess.run(
-            ["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
-            text=True).stdout.strip()
+    baselines = baselines_of(args.baseline, args.baseline_commit)
     with contextlib.ExitStack() as stack:
         up = stack.enter_context(Service("bench-upstream", "--procs", str(args.upstream_procs), name="stamp"))
         gate = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning", name="proxy",
                                            cpus=relay_cpus))
         vr = stack.enter_context(router(args.router, up.url, relay_cpus))
-        if args.baseline:
-            baseline = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning",
-                                                   name="baseline", cpus=relay_cpus, cwd=args.baseline))
         targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
                    "vllm-router": (vr.url, vr.proc.pid)}
-        if baseline is not None:
-            targets[f"prefill-gate@{base_commit}"] = (baseline.url, baseline.proc.pid)
+        for b in baselines:
+            proxy = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning",
+                                                name="baseline", cpus=relay_cpus, cwd=b["dir"]))
+            targets[f"prefill-gate@{b['commit']}"] = (proxy.url, proxy.proc.pid)
         if args.floor:
             port = free_port()
             pipe = stack.enter_context(Service(name="uvloop-pipe", port=port, cpus=relay_cpus, argv=[
@@ -245,8 +256,8 @@ def main(argv=None) -> int:
                                "ttft_samples": args.ttft_samples, "rounds": args.rounds,
                                "relay_cpus": sorted(relay_cpus or []),
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
-                               "router": args.router, "floor": args.floor, "baseline": args.baseline and {"dir": args.baseline,
-                                                                                     "commit": base_commit},
+                               "router": args.router, "floor": args.floor, "baselines": baselines,
+                               "baseline": baselines[0] if baselines else None,
                                "cpu_over_router": ratios, "rows": rows, **environment()})
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 
 import pytest
 
@@ -134,3 +135,16 @@ def test_a_level_runs_again_until_enough_first_tokens():
     assert [rounds_for(n) for n in (1, 3, 20, 32, 512)] == [20, 7, 1, 1, 1]
     assert [rounds_for(n, 200) for n in (1, 32, 128, 512)] == [200, 7, 2, 1]
     assert all(rounds_for(n, k) * n >= k for n in range(1, 600, 7) for k in (1, 20, 200))
+
+
+def test_relay_router_pairs_each_baseline_with_its_name():
+    relay_router = _bench("relay_router")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert relay_router.baselines_of(["/a", str(ROOT)], ["abc1234"]) == [
+        {"dir": "/a", "commit": "abc1234"}, {"dir": str(ROOT), "commit": head}]
+    assert relay_router.baselines_of([], []) == []
+    with pytest.raises(SystemExit, match="more --baseline-commit"):
+        relay_router.baselines_of(["/a"], ["x", "y"])
+    with pytest.raises(SystemExit, match="one name"):
+        relay_router.baselines_of(["/a", "/b"], ["x", "x"])
