@@ -20,10 +20,11 @@ all threads, from /proc, over the level). Direct has no relay: its delay is the 
 worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the same CPU in
 the same turns: a before/after in one run, where this VM's drift between runs (CPU per chunk
 of the same code 20-40% apart on different days) would swamp it. Given more than once, one
-target each (``--baseline-commit`` names them in the same order, where a DIR has no ``.git``). ``--floor``: also
-``bench/relay_floor.py`` (``uvloop-pipe``), a TCP pipe in uvloop's callbacks: the least CPU
-any relay in Python can spend per chunk. Each prefill-gate turn also records the proxy's
-cycle-collector pauses (its ``prefill_gate_gc_pause_seconds``, before and after the turn).
+target each (``--baseline-commit`` names them in the same order, where a DIR has no
+``.git``). ``--floor``: also ``bench/relay_floor.py`` (``uvloop-pipe``), a TCP pipe in
+uvloop's callbacks: the least CPU any relay in Python can spend per chunk. Each prefill-gate
+turn also records the proxy's cycle-collector pauses (its ``prefill_gate_gc_pause_seconds``,
+before and after the turn).
 """
 
 from __future__ import annotations
@@ -177,9 +178,10 @@ def pause_summary(g: dict) -> str:
         count = g.get(f"g{n}_collections")
         if count:
             longest = longest_pause(g, n)
-            text += (f"; {name} {count:.0f} (average {g[f'g{n}_paused_s'] / count * 1e6:.0f} us, "
-                     f"{count - g.get(f'g{n}_le_0.00025', 0):.0f} over 0.25 ms, longest "
-                     f"{'<= %g ms' % (longest * 1e3) if longest else 'over the last bucket'})")
+            average_us = g[f"g{n}_paused_s"] / count * 1e6
+            over = count - g.get(f"g{n}_le_0.00025", 0)
+            text += (f"; {name} {count:.0f} (average {average_us:.0f} us, {over:.0f} over 0.25 ms, longest "
+                     + (f"<= {longest * 1e3:g} ms)" if longest else "over the last bucket)"))
     return text
 
 
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
                     help="a checkout of another commit: its prefill-gate as one more target (repeatable)")
     ap.add_argument("--floor", action="store_true", help="also bench/relay_floor.py, a plain TCP pipe on uvloop")
     ap.add_argument("--baseline-commit", action="append", default=[],
-                    help="a baseline's commit, where its DIR is a copy without .git (repeatable, in --baseline's order)")
+                    help="a baseline's commit, where its DIR is a copy without .git (repeatable, in the "
+                         "order of --baseline)")
     ap.add_argument("--load-procs", type=int, default=1, help="load generator processes (the streams split evenly)")
     ap.add_argument("--upstream-procs", type=int, default=1, help="stamping upstream processes on one socket")
     ap.add_argument("--ttft-samples", type=int, default=20,

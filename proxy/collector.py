@@ -51,8 +51,9 @@ YOUNG_THRESHOLD = 100  # new objects (allocations less deallocations) that start
 def defer_full_collections() -> Callable[[], None]:
     """Stop the interpreter from starting full collections on its own, and collect the
     young and middle generations in small steps (``YOUNG_THRESHOLD``, ``MIDDLE_THRESHOLD``).
-    Returns what puts its thresholds back. Only on CPython before 3.14, whose three generations this knows; elsewhere (3.14's
-    incremental collector reads the thresholds otherwise) nothing changes."""
+    Returns what puts its thresholds back. Only on CPython before 3.14, whose three
+    generations this knows; elsewhere (3.14's incremental collector reads the thresholds
+    otherwise) nothing changes."""
     if sys.implementation.name != "cpython" or sys.version_info >= (3, 14):
         return lambda: None
     saved = gc.get_threshold()
