@@ -103,28 +103,22 @@ def gc_pauses(url: str) -> dict[str, float] | None:
                   None)
     if family is None:
         return None
-    out = {"collections": 0.0, "full": 0.0, "over_5ms": 0.0, "paused_s": 0.0}
-    for g in "012":
-        out.update({f"g{g}_collections": 0.0, f"g{g}_paused_s": 0.0, f"g{g}_under_1ms": 0.0})
+    gens = ("g0", "g1", "g2")
+    out = {f"{g}_{k}": 0.0 for g in gens for k in ("collections", "paused_s")}
     for s in family.samples:
         g = "g" + s.labels["generation"]
         if s.name.endswith("_count"):
-            out["collections"] += s.value
-            out["over_5ms"] += s.value
-            out[g + "_collections"] += s.value
-            if s.labels["generation"] == "2":
-                out["full"] += s.value
+            out[g + "_collections"] = s.value
         elif s.name.endswith("_sum"):
-            out["paused_s"] += s.value
-            out[g + "_paused_s"] += s.value
-        else:  # a bucket: collections that took at most its bound
-            le = s.labels["le"]
-            if le != "+Inf":
-                out[f"{g}_le_{float(le):g}"] = out.get(f"{g}_le_{float(le):g}", 0.0) + s.value
-            if le == "0.005":
-                out["over_5ms"] -= s.value
-            elif le == "0.001":
-                out[g + "_under_1ms"] += s.value
+            out[g + "_paused_s"] = s.value
+        elif s.labels["le"] != "+Inf":  # a bucket: the collections that took at most its bound
+            out[f"{g}_le_{float(s.labels['le']):g}"] = s.value
+    out["collections"] = sum(out[g + "_collections"] for g in gens)
+    out["full"] = out["g2_collections"]
+    out["paused_s"] = sum(out[g + "_paused_s"] for g in gens)
+    out["over_5ms"] = out["collections"] - sum(out.get(g + "_le_0.005", 0.0) for g in gens)
+    for g in gens:
+        out[g + "_under_1ms"] = out.get(g + "_le_0.001", 0.0)
     return out
 
 
