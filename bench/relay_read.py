@@ -62,11 +62,17 @@ class _Cycle:
 
 
 def _direct(writer, observer, splitter):
-    """The callback the relay installs on the upstream connection: the code's own, or for a
-    checkout from before ``direct_relay`` (2fab5de and older) what its ``_pump`` wrote inline."""
+    """The callback the relay installs on the upstream connection: the code's own (from
+    7a1c0de on, the observer owns its splitter), or for a checkout from before
+    ``direct_relay`` (2fab5de and older) what its ``_pump`` wrote inline."""
+    import inspect
+
     import proxy.exchange
 
     if hasattr(proxy.exchange, "direct_relay"):
+        if len(inspect.signature(proxy.exchange.direct_relay).parameters) == 2:
+            observer.splitter = splitter
+            return proxy.exchange.direct_relay(writer, observer)
         return proxy.exchange.direct_relay(writer, observer, splitter)
 
     def direct(data: bytes) -> bool:

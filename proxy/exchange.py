@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from starlette.requests import ClientDisconnect
 
@@ -225,19 +226,11 @@ async def slice_window_end(predictor: "Predictor", upstream: str, window: "GapWi
     return predictor.window_max(upstream, window)
 
 
-def direct_relay(writer: ChunkWriter, observer: StreamObserver, splitter: SSESplitter):
+def direct_relay(writer: ChunkWriter, observer: StreamObserver) -> Callable[[bytes], bool]:
     """The direct path's callback for the upstream connection (``fasthttp.body_sink``): one
     read, observed, written to the client's socket; False (left queued for the relay's task)
     while the writer is not ready."""
-    def direct(data: bytes) -> bool:
-        if not writer.ready():
-            return False
-        out = observer.take(data, splitter)
-        if out:
-            writer.write(out)
-        return True
-
-    return direct
+    return functools.partial(writer.write_through, observer.take)
 
 
 class GatedExchange(Exchange):
@@ -426,10 +419,10 @@ class GatedExchange(Exchange):
         the way of writing to it), bytes that arrive while this task waits are relayed in
         the upstream connection's read callback, the task never woken; otherwise (the client
         stopped reading, or no writer) one await of the upstream per read, then ``handle``."""
-        splitter = SSESplitter(self.state.settings.max_upstream_event_bytes)
+        splitter = observer.splitter
         read = body_reader(resp)
         if writer is not None:
-            body_sink(resp, direct_relay(writer, observer, splitter))
+            body_sink(resp, direct_relay(writer, observer))
         with mapped_errors(upstream):
             while (raw := await read()) is not None:
                 if events:
@@ -437,7 +430,7 @@ class GatedExchange(Exchange):
                     observer.filter(cut)
                     await handle(cut)
                 else:
-                    await handle(observer.take(raw, splitter))
+                    await handle(observer.take(raw))
         rest = splitter.flush()
         if rest:
             out = observer.filter([rest])
@@ -447,7 +440,8 @@ class GatedExchange(Exchange):
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
     async def _relay_stream(self, send, resp: Answered, upstream: str) -> None:
-        observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage)
+        observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage,
+                                                  splitter=self._splitter())
         await self.start(send, 200, response_headers(resp, upstream))
 
         async def forward(out: bytes) -> None:
@@ -461,7 +455,7 @@ class GatedExchange(Exchange):
 
     async def _relay_assembled(self, send, resp: Answered, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
-        observer = self.observer = StreamObserver(self._first_content, self._tokens)
+        observer = self.observer = StreamObserver(self._first_content, self._tokens, splitter=self._splitter())
         assembler = Assembler(self.req.endpoint)
         limit, seen = self.state.settings.max_upstream_body_bytes, 0
 
@@ -499,11 +493,15 @@ class GatedExchange(Exchange):
                                      lambda: observer.tokens)
         self._ttft.observe(now - req.received_at)
 
+    def _splitter(self) -> SSESplitter:
+        return SSESplitter(self.state.settings.max_upstream_event_bytes)
+
     def _tokens(self, gap: float, n: int) -> None:
         """``n`` content chunks in one read, the first ``gap`` seconds after the previous."""
         lease = self.lease
         self._itl[lease.large_prefill_in_flight()].observe_run(gap, n)
-        lease.token_gap(gap, n)
+        if lease.closed_loop:  # (tested here too: the per-read path skips the call without it)
+            lease.token_gap(gap, n)
         if self._feed_predictor:
             self.state.predictor.gap(lease.upstream, gap, n)
 

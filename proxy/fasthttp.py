@@ -199,7 +199,8 @@ class _Connection(asyncio.Protocol):
     def _to_sink(self) -> bool:
         """Offer what arrived to the sink (the reader is parked, nothing else queued). True:
         the reader must wake (bytes left for it, the body's end, or an error)."""
-        data = self._queued()
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # (_queued, inline: per read)
         try:
             taken = self.sink(data)
         except Exception as exc:  # the reader raises it; the connection is not reused

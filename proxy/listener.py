@@ -115,6 +115,19 @@ class ChunkWriter:
     def write(self, body: bytes) -> None:
         self._cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
 
+    def write_through(self, take: Any, data: bytes) -> bool:
+        """``write(take(data))`` (nothing where take gives nothing) while ``ready()``; False,
+        ``take`` not called, while not. The upstream read callback's one call: ``ready`` and
+        ``write`` inline, a Python call each fewer on the proxy's hottest path."""
+        c = self._cycle
+        if not c.response_started or c.chunked_encoding is not True or c.response_complete \
+                or c.disconnected or c.flow.write_paused:
+            return False
+        body = take(data)
+        if body:
+            c.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return True
+
 
 _CYCLE_FIELDS = ("response_started", "chunked_encoding", "response_complete", "disconnected", "flow", "transport",
                  "scope")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -34,6 +34,11 @@ from .upstream import Answered, mapped_errors
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _LF = ord("\n")
+
+# The per-read tests below search bytes with ``find`` rather than ``in``: CPython's
+# ``bytes.__contains__`` first tries its argument as an integer (``65 in b"A"``), and for a
+# bytes argument builds and discards a TypeError with its message each time, 2-3x a find
+# (CPython 3.10-3.13, ~140-240 ns against ~30-70 at 80 bytes).
 
 
 class SSESplitter:
@@ -53,7 +58,7 @@ class SSESplitter:
         self.limit = limit
 
     def feed(self, data: bytes) -> list[bytes]:
-        cr = self._cr = self._cr or b"\r" in data
+        cr = self._cr = self._cr or data.find(b"\r") >= 0
         if self.held:
             self.held += data
             buf, pos = self.held, self._scan
@@ -135,9 +140,11 @@ class StreamObserver:
     done: bool = False
     saw_error: bool = False
     tokens: int = 0
+    splitter: SSESplitter = field(default_factory=SSESplitter)  # this stream's events, cut
 
-    def take(self, data: bytes, splitter: SSESplitter) -> bytes:
-        """One upstream read, cut by ``splitter`` and observed: the bytes to forward.
+    def take(self, data: bytes) -> bytes:
+        """One upstream read, cut by this stream's ``splitter`` and observed: the bytes to
+        forward.
 
         The usual read, one or more whole content chunks of a stream under way, is counted
         without being cut: nothing held over from the last read, no CR, no blank line but
@@ -146,17 +153,17 @@ class StreamObserver:
         and records the same, in more steps (tests/test_relay.py holds the two equal)."""
         # (Ordered for the hottest line of the proxy: each bytes method call costs more than
         # its scan; an index is cheaper than endswith.)
-        if self.first_at is not None and not splitter.held and data.startswith(b"data: {") \
-                and data[-1] == data[-2] == _LF != data[-3] and b"\r" not in data \
-                and b'"usage"' not in data and b'"error"' not in data and b'"choices":[]' not in data:
+        if self.first_at is not None and not self.splitter.held and data.startswith(b"data: {") \
+                and data[-1] == data[-2] == _LF != data[-3] and data.find(b"\r") < 0 \
+                and data.find(b'"usage"') < 0 and data.find(b'"error"') < 0 and data.find(b'"choices":[]') < 0:
             n = data.count(b"\n\n")  # 1: the blank line at the end is the only one
-            if n == 1 or (b"\n\n\n" not in data and data.count(b"\n\ndata: {") == n - 1):
+            if n == 1 or (data.find(b"\n\n\n") < 0 and data.count(b"\n\ndata: {") == n - 1):
                 now = self.clock()
                 self.tokens += n
                 self.on_tokens(now - self.last_at, n)
                 self.last_at = now
                 return data
-        return self.filter(splitter.feed(data))
+        return self.filter(self.splitter.feed(data))
 
     def filter(self, events: list[bytes]) -> bytes:
         """Observe one read's events; return the bytes to forward (all of them but a usage
@@ -169,7 +176,7 @@ class StreamObserver:
                 self.done = True
                 continue
             obj = None
-            if b'"usage":{' in ev or b'"usage": {' in ev:
+            if ev.find(b'"usage":{') >= 0 or ev.find(b'"usage": {') >= 0:
                 obj = event_json(ev)
                 if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                     self.usage = obj["usage"]
@@ -184,9 +191,9 @@ class StreamObserver:
                     self.on_first_content()
                 elif _is_error(obj):
                     self.saw_error = True
-            elif b'"error"' in ev and _is_error(event_json(ev)):  # (a cheap test first: the hot path skips it)
+            elif ev.find(b'"error"') >= 0 and _is_error(event_json(ev)):  # (a cheap test first: the hot path skips it)
                 self.saw_error = True
-            elif ev.startswith(b"data:") and b'"choices":[]' not in ev:
+            elif ev.startswith(b"data:") and ev.find(b'"choices":[]') < 0:
                 n += 1
         if n:
             self.tokens += n

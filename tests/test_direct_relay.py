@@ -5,8 +5,10 @@ on both sides (uvicorn's httptools listener, the proxy's own transport)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
+import types
 
 import pytest
 
@@ -66,14 +68,17 @@ async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
         if writer is not None:
             assert writer.ready()
             writer.write(b"hello")
+            assert writer.write_through(bytes.upper, b"hi")
+            assert writer.write_through(lambda data: b"", b"held back")  # taken, nothing to write
         await send({"type": "http.response.body", "body": b"hello", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if writer is not None:
             assert not writer.ready()  # complete: only send may end it
+            assert not writer.write_through(_never, b"late")
 
     async with serve(app) as url:
         raw = await post_raw(url, "/", b"{}")
-    assert raw.endswith(b"\r\n\r\n5\r\nhello\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert raw.endswith(b"\r\n\r\n5\r\nhello\r\n2\r\nHI\r\n5\r\nhello\r\n0\r\n\r\n")
     assert isinstance(seen["POST"], listener.ChunkWriter)
 
     async def no_writer(message):
@@ -82,17 +87,38 @@ async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
     assert chunk_writer(no_writer) is None
 
 
+def _never(data):
+    raise AssertionError("take called while the writer was not ready")
+
+
+@pytest.mark.parametrize("fields", list(itertools.product([False, True], [False, True, "maybe"], [False, True],
+                                                           [False, True], [False, True])))
+def test_write_through_writes_exactly_when_ready(fields):
+    """``write_through`` is ``ready()``, ``take`` and ``write`` in one call: over every state of
+    the cycle's fields it takes and writes where ``ready()`` says so, and nothing otherwise."""
+    started, chunked, complete, disconnected, paused = fields
+    written = []
+    cycle = types.SimpleNamespace(response_started=started, chunked_encoding=chunked, response_complete=complete,
+                                  disconnected=disconnected, flow=types.SimpleNamespace(write_paused=paused),
+                                  transport=types.SimpleNamespace(write=written.append))
+    writer = listener.ChunkWriter(cycle)
+    ready = writer.ready()
+    assert writer.write_through(bytes.upper if ready else _never, b"abc") is ready
+    assert written == ([b"3\r\nABC\r\n"] if ready else [])
+
+
 @pytest.fixture
 def writes(monkeypatch):
-    """Counts the relay's direct writes."""
+    """Counts the reads the relay wrote from the read callback (``write_through`` took them)."""
     count = {"n": 0}
-    original = listener.ChunkWriter.write
+    original = listener.ChunkWriter.write_through
 
-    def counted(self, body):
-        count["n"] += 1
-        original(self, body)
+    def counted(self, take, data):
+        taken = original(self, take, data)
+        count["n"] += taken
+        return taken
 
-    monkeypatch.setattr(listener.ChunkWriter, "write", counted)
+    monkeypatch.setattr(listener.ChunkWriter, "write_through", counted)
     return count
 
 

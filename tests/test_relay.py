@@ -222,11 +222,11 @@ def _same_as_the_general_path(reads, drop_usage=False):
                               lambda gap, n: log[name].append((gap, n)), drop_usage=drop_usage,
                               clock=lambda: now[0])
 
-    fast_split, slow_split, fast_obs, slow_obs = SSESplitter(), SSESplitter(), observer("fast"), observer("slow")
+    fast_obs, slow_obs = observer("fast"), observer("slow")
     for i, data in enumerate(reads):
         now[0] = i * 0.25
-        assert fast_obs.take(data, fast_split) == slow_obs.filter(slow_split.feed(data)), (i, data)
-    assert fast_split.flush() == slow_split.flush()
+        assert fast_obs.take(data) == slow_obs.filter(slow_obs.splitter.feed(data)), (i, data)
+    assert fast_obs.splitter.flush() == slow_obs.splitter.flush()
     assert log["fast"] == log["slow"]
     fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
     assert [getattr(fast_obs, f) for f in fields] == [getattr(slow_obs, f) for f in fields]
@@ -266,7 +266,6 @@ def test_the_fast_path_takes_runs_of_content_chunks_whole():
     """What the fast path is for: one read of several content chunks is counted as such
     without being cut (the splitter is never fed)."""
     calls = []
-    obs = StreamObserver(lambda: None, lambda gap, n: calls.append(n), clock=lambda: 1.0)
     fed = []
 
     class Recording(SSESplitter):
@@ -274,9 +273,9 @@ def test_the_fast_path_takes_runs_of_content_chunks_whole():
             fed.append(data)
             return super().feed(data)
 
-    split = Recording()
-    obs.take(ev(chunk("a")), split)  # the first content: through filter
+    obs = StreamObserver(lambda: None, lambda gap, n: calls.append(n), clock=lambda: 1.0, splitter=Recording())
+    obs.take(ev(chunk("a")))  # the first content: through filter
     fed.clear()
     read = ev(chunk("b")) + ev(chunk("c")) + ev(chunk("d"))
-    assert obs.take(read, split) == read and obs.take(ev(chunk("e")), split) == ev(chunk("e"))
+    assert obs.take(read) == read and obs.take(ev(chunk("e"))) == ev(chunk("e"))
     assert fed == [] and calls == [3, 1] and obs.tokens == 5
