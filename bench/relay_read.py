@@ -63,7 +63,7 @@ class _Cycle:
 
 def _direct(writer, observer, splitter):
     """The callback the relay installs on the upstream connection: the code's own (from
-    7a1c0de on, the observer owns its splitter), or for a checkout from before
+    46abd42 on, the observer owns its splitter), or for a checkout from before
     ``direct_relay`` (2fab5de and older) what its ``_pump`` wrote inline."""
     import inspect
 
