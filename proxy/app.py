@@ -58,7 +58,6 @@ from .prefix_memory import PrefixMemory
 from .routing import Routing
 from .settings import Settings
 from .state import AppState
-from .turns import SetupTurns
 from .upstream import UpstreamClient
 
 log = logging.getLogger("prefill_gate")
@@ -140,8 +139,7 @@ def build_state(
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
                      Routing(settings.upstreams, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
-                     predictor=predictor, bodies=body_reader(settings),
-                     turns=SetupTurns(deferrals=metrics.setup_deferrals))
+                     predictor=predictor, bodies=body_reader(settings))
     policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)
@@ -209,8 +207,6 @@ class GateApp:
         if endpoint is None:
             await self.api(scope, receive, send)
             return
-        turns = self.state.turns
-        await turns.wait()  # (a burst of new requests must not hold the chunks of live streams)
         try:
             req = await prepare(self.state, scope, receive, endpoint)
         except ProxyError as exc:
@@ -220,7 +216,6 @@ class GateApp:
         except ClientDisconnect:  # gone before its body's end: nothing to answer, nothing sent upstream
             self.state.metrics.requests.labels("interactive", OutcomeKind.CLIENT_DISCONNECT).inc()
             return
-        await turns.wait()
         await GatedExchange(self.state, req)(scope, receive, send)
 
 

@@ -100,10 +100,6 @@ class Metrics:
             p + "slice_settle_seconds_total",
             "Time slicers waited for other requests' prefills on the upstream to end before a slice.",
             ["upstream"], registry=r)
-        self.setup_deferrals = LoopCounter(
-            p + "setup_deferrals_total",
-            "Times a new request's setup waited a loop iteration so that the chunks of live streams "
-            "were relayed first (the iteration's setup budget was spent; proxy/turns.py).", registry=r)
         self.gc_pause = Histogram(
             p + "gc_pause_seconds",
             "Time the interpreter's cycle collector held the event loop, per collection, by generation "

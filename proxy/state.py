@@ -18,7 +18,6 @@ from .predict import Predictor
 from .prefix_memory import PrefixMemory
 from .routing import Routing
 from .settings import Settings
-from .turns import SetupTurns
 from .upstream import UpstreamClient
 
 log = logging.getLogger("prefill_gate")
@@ -38,7 +37,6 @@ class AppState:
     exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
     predictor: Predictor | None = None
     bodies: BodyReader | None = None
-    turns: SetupTurns = field(default_factory=SetupTurns)  # new requests' setups, between relays
 
     @property
     def health(self) -> dict[str, bool]:
