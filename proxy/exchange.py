@@ -500,7 +500,7 @@ class GatedExchange(Exchange):
         """``n`` content chunks in one read, the first ``gap`` seconds after the previous."""
         lease = self.lease
         self._itl[lease.large_prefill_in_flight()].observe_run(gap, n)
-        if lease.closed_loop:  # (tested here too: the per-read path skips the call without it)
+        if lease.closed_loop:  # (token_gap tests it too; here it saves a call a read)
             lease.token_gap(gap, n)
         if self._feed_predictor:
             self.state.predictor.gap(lease.upstream, gap, n)

@@ -67,7 +67,7 @@ async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         if writer is not None:
             assert writer.ready()
-            writer.write(b"hello")
+            assert writer.write_through(bytes, b"hello")
             assert writer.write_through(bytes.upper, b"hi")
             assert writer.write_through(lambda data: b"", b"held back")  # taken, nothing to write
         await send({"type": "http.response.body", "body": b"hello", "more_body": True})
