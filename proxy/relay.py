@@ -157,8 +157,8 @@ class StreamObserver:
                 and data[-1] == data[-2] == _LF != data[-3] and data.find(b"\r") < 0 \
                 and data.find(b'"usage"') < 0 and data.find(b'"error"') < 0 and data.find(b'"choices":[]') < 0:
             # n one-line events: two LFs each, every LF but the last two in a "\n\ndata: {"
-            # between events. (Counting one byte is a third of counting two; a read of
-            # events of several lines goes through filter.)
+            # between events. (Counting one byte costs about half of counting two; a read
+            # of events of several lines goes through filter.)
             lfs = data.count(b"\n")
             n = lfs >> 1
             if lfs == 2 or (not lfs & 1 and data.count(b"\n\ndata: {") == n - 1):
