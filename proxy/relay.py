@@ -147,9 +147,9 @@ class StreamObserver:
         forward.
 
         The usual read, one or more whole content chunks of a stream under way, is counted
-        without being cut: nothing held over from the last read, no CR, no blank line but
-        the events' ends, every event a ``data: {`` chunk with nothing ``filter`` looks for
-        (no [DONE], usage, error or empty choices). ``filter(splitter.feed(data))`` returns
+        without being cut: nothing held over from the last read, no CR, every event one
+        line, a ``data: {`` chunk with nothing ``filter`` looks for (no [DONE], usage, error
+        or empty choices). ``filter(splitter.feed(data))`` returns
         and records the same, in more steps (tests/test_relay.py holds the two equal)."""
         # (Ordered for the hottest line of the proxy: each bytes method call costs more than
         # its scan; an index is cheaper than endswith.)
