@@ -98,25 +98,19 @@ class ChunkWriter:
     """Writes the body parts of a chunked answer straight to the client's socket, from a
     callback: exactly what uvicorn's httptools ``send`` writes for an ``http.response.body``
     message with ``more_body`` (``tests/test_direct_relay.py`` holds the two byte for byte), for
-    as long as that is all it would do. ``ready()`` is False when ``send`` has more to do:
-    the client stopped reading (flow control), went away, the answer is complete, or it is
-    not chunked; the caller then goes through ``send``."""
+    as long as that is all it would do. It refuses when ``send`` has more to do: the client
+    stopped reading (flow control), went away, the answer is complete, or it is not chunked;
+    the caller then goes through ``send``."""
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
 
-    def ready(self) -> bool:
-        c = self._cycle
-        return (c.response_started and c.chunked_encoding is True and not c.response_complete
-                and not c.disconnected and not c.flow.write_paused)
-
     def write_through(self, take: Callable[[bytes], bytes], data: bytes) -> bool:
-        """While ``ready()``: ``take(data)`` written as one body part (nothing, where it gives
-        nothing), and True. While not: False, ``take`` not called. The upstream connection's
-        read callback, so ``ready()``'s test is inline: one Python call fewer a read on the
-        proxy's hottest path (tests/test_direct_relay.py holds the two equal)."""
+        """``take(data)`` written as one body part (nothing, where it gives nothing), and True;
+        or, where ``send`` has more to do, False with ``take`` not called. One call: it is the
+        upstream connection's read callback, the proxy's hottest path."""
         c = self._cycle
         if not c.response_started or c.chunked_encoding is not True or c.response_complete \
                 or c.disconnected or c.flow.write_paused:

@@ -66,15 +66,13 @@ async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
         seen[scope["method"]] = writer = chunk_writer(send)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         if writer is not None:
-            assert writer.ready()
             assert writer.write_through(bytes, b"hello")
             assert writer.write_through(bytes.upper, b"hi")
             assert writer.write_through(lambda data: b"", b"held back")  # taken, nothing to write
         await send({"type": "http.response.body", "body": b"hello", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if writer is not None:
-            assert not writer.ready()  # complete: only send may end it
-            assert not writer.write_through(_never, b"late")
+            assert not writer.write_through(_never, b"late")  # complete: only send may end it
 
     async with serve(app) as url:
         raw = await post_raw(url, "/", b"{}")
@@ -93,16 +91,17 @@ def _never(data):
 
 @pytest.mark.parametrize("fields", list(itertools.product([False, True], [False, True, "maybe"], [False, True],
                                                            [False, True], [False, True])))
-def test_write_through_writes_exactly_when_ready(fields):
-    """``write_through`` is ``ready()``, ``take`` and ``write`` in one call: over every state of
-    the cycle's fields it takes and writes where ``ready()`` says so, and nothing otherwise."""
+def test_write_through_writes_exactly_when_send_has_nothing_more_to_do(fields):
+    """Over every state of the cycle's fields ``write_through`` takes and writes only while the
+    answer is started, chunked, not complete, its client there and reading; otherwise it
+    returns False without calling ``take``."""
     started, chunked, complete, disconnected, paused = fields
     written = []
     cycle = types.SimpleNamespace(response_started=started, chunked_encoding=chunked, response_complete=complete,
                                   disconnected=disconnected, flow=types.SimpleNamespace(write_paused=paused),
                                   transport=types.SimpleNamespace(write=written.append))
     writer = listener.ChunkWriter(cycle)
-    ready = writer.ready()
+    ready = started and chunked is True and not complete and not disconnected and not paused
     assert writer.write_through(bytes.upper if ready else _never, b"abc") is ready
     assert written == ([b"3\r\nABC\r\n"] if ready else [])
 
