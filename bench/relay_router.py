@@ -13,8 +13,11 @@ three alike. With two or more CPUs the relays get the last CPU to themselves and
 generator and upstream the others (the issue's rig: one core each side).
 
 Per target and level: TTFT p50/p99; the per-chunk delay (arrival minus the upstream's stamp)
-p50/p99/p99.9/max; the relay's CPU seconds per relayed chunk (its process's utime + stime,
-all threads, from /proc, over the level). Direct has no relay: its delay is the floor.
+p50/p99/p99.9/max; the gap between a stream's chunks as its reader sees them (the issue's
+"gap": 80 ms and a little at 512x80) p99/p99.9/max; the relay's CPU seconds per relayed chunk
+(its process's utime + stime, all threads, from /proc, over the level). Direct has no relay:
+its delay and gaps are the floor. Then issue 27's goals, each relay's rounds that met each
+(``GOALS``; every round's figure, the misses with the hits).
 
 ``--baseline DIR``: a fourth target, the prefill-gate of another checkout (e.g. ``git
 worktree add /tmp/base <commit>``), named ``prefill-gate@<its commit>``, on the same CPU in
@@ -164,6 +167,61 @@ def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+# Issue 27's goals, each a bound on one figure of a relay's row against the same round's
+# direct or vllm-router row: (name, the levels it is asked at, figure, bound, compared with).
+GOALS = (
+    ("CPU per chunk <= 1.5x vllm-router's", ("32x5", "512x80"), "cpu_over_router", 1.5),
+    ("added TTFT p50 <= 1 ms", ("32x5",), "added_ttft_ms_p50", 1.0),
+    ("added TTFT p99 <= 3 ms", ("32x5",), "added_ttft_ms_p99", 3.0),
+    ("gap p99.9 <= 1.2x direct's", ("512x80",), "gap_p999_over_direct", 1.2),
+    ("delay p99.9 <= 1.2x direct's", ("512x80",), "delay_p999_over_direct", 1.2),
+)
+
+
+def _over(row: dict, base: dict | None, key: str) -> float | None:
+    """``row[key]`` over ``base[key]``; None where either lacks it."""
+    a, b = row.get(key), (base or {}).get(key)
+    return None if a is None or not b else a / b
+
+
+def against_direct(rows: list[dict]) -> list[dict]:
+    """Per level, round and relay: the figures issue 27 bounds, each against the same
+    round's direct row (added TTFT; gap and delay p99.9 over direct's) and vllm-router's (CPU
+    per chunk over its). A figure its rows cannot give (no vllm-router that round; rows of an
+    older bench without gaps) is None."""
+    turns: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        turns.setdefault((r["level"], r["round"]), {})[r["target"]] = r
+    out = []
+    for (lvl, rnd), by in turns.items():
+        d, vr = by.get("direct"), by.get("vllm-router")
+        for target, r in by.items():
+            if target == "direct" or d is None:
+                continue
+            out.append({"level": lvl, "round": rnd, "target": target,
+                        "cpu_over_router": None if target == "vllm-router" else _over(r, vr, "cpu_us_per_chunk"),
+                        "added_ttft_ms_p50": r["ttft_ms_p50"] - d["ttft_ms_p50"],
+                        "added_ttft_ms_p99": r["ttft_ms_p99"] - d["ttft_ms_p99"],
+                        "gap_p999_over_direct": _over(r, d, "gap_ms_p999"),
+                        "delay_p999_over_direct": _over(r, d, "chunk_ms_p999")})
+    return out
+
+
+def goals_met(figures: list[dict]) -> list[dict]:
+    """Each of ``GOALS`` per relay: in how many of its rounds at the goal's levels it held,
+    with the range of the figure (every round, the misses with the hits)."""
+    out = []
+    for name, levels, key, bound in GOALS:
+        per: dict[str, list[float]] = {}
+        for f in figures:
+            if f["level"] in levels and f[key] is not None:
+                per.setdefault(f["target"], []).append(f[key])
+        for target, values in per.items():
+            out.append({"goal": name, "target": target, "met": sum(v <= bound for v in values),
+                        "rounds": len(values), "min": min(values), "max": max(values)})
+    return out
+
+
 def pause_summary(g: dict) -> str:
     """One turn's collector pauses (a difference of two ``gc_pauses``) in a line."""
     text = (f"{g['collections']:.0f} collections, {g['full']:.0f} full, {g['over_5ms']:.0f} over 5 ms, "
@@ -181,7 +239,8 @@ def pause_summary(g: dict) -> str:
 
 COLUMNS = [("level", "level"), ("target", "target"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
            ("chunk_ms_p50", "delay p50 ms"), ("chunk_ms_p99", "delay p99 ms"), ("chunk_ms_p999", "delay p99.9 ms"),
-           ("chunk_ms_max", "delay max ms"), ("chunks_per_s", "chunks/s"), ("cpu_us_per_chunk", "relay CPU us/chunk")]
+           ("chunk_ms_max", "delay max ms"), ("gap_ms_p99", "gap p99 ms"), ("gap_ms_p999", "gap p99.9 ms"),
+           ("gap_ms_max", "gap max ms"), ("chunks_per_s", "chunks/s"), ("cpu_us_per_chunk", "relay CPU us/chunk")]
 
 
 def main(argv=None) -> int:
@@ -243,6 +302,11 @@ def main(argv=None) -> int:
     print("\nrelay CPU per chunk over vllm-router's, per round:")
     for lvl, per in ratios.items():
         print(f"  {lvl}: " + "; ".join(f"{t} {min(v):.2f}-{max(v):.2f}x ({', '.join(map(str, v))})" for t, v in per.items()))
+    goals = goals_met(against_direct(rows))
+    if goals:
+        print("\nissue 27's goals, rounds met (every round's figure, min-max):")
+        for g in goals:
+            print(f"  {g['goal']}: {g['target']} {g['met']} of {g['rounds']} ({g['min']:.2f}-{g['max']:.2f})")
     timed = [r for r in rows if r.get("gc")]
     if timed:
         print("\nprefill-gate's cycle-collector pauses per turn (its gc_pause_seconds):")
@@ -255,7 +319,7 @@ def main(argv=None) -> int:
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
                                "router": args.router, "floor": args.floor, "baselines": baselines,
                                "baseline": baselines[0] if baselines else None,
-                               "cpu_over_router": ratios, "rows": rows, **environment()})
+                               "cpu_over_router": ratios, "goals": goals, "rows": rows, **environment()})
     return 0
 
 

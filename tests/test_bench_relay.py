@@ -148,3 +148,75 @@ def test_relay_router_pairs_each_baseline_with_its_name():
         relay_router.baselines_of(["/a"], ["x", "y"])
     with pytest.raises(SystemExit, match="one name"):
         relay_router.baselines_of(["/a", "/b"], ["x", "x"])
+
+
+def test_a_streams_gaps_are_between_its_own_chunks_as_its_reader_sees_them():
+    """The issue's "gap": the time from one chunk of a stream to its next, as the client read
+    them; chunks that come in one read have a gap of 0, and a stream's first has none."""
+    import asyncio
+    import time
+
+    from proxy.bench.overhead import _one_stream
+
+    def chunk(stamp: float) -> bytes:
+        event = b'data: {"choices":[{"delta":{"content":"x"}}],"t":%.9f}\n\n' % stamp
+        return b"%x\r\n%s\r\n" % (len(event), event)
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        now = time.monotonic()
+        writer.write(chunk(now) + chunk(now))  # two chunks, one write
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(chunk(time.monotonic()))
+        done = b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ttfts, delays, arrivals, gaps = [], [], [], []
+        async with server:
+            await _one_stream(f"http://127.0.0.1:{port}", 3, 0.01, ttfts, delays, False, arrivals, gaps)
+        return ttfts, delays, arrivals, gaps
+
+    ttfts, delays, arrivals, gaps = asyncio.run(main())
+    assert len(ttfts) == 1 and len(delays) == len(arrivals) == 3
+    assert len(gaps) == 2 and gaps[0] == 0.0 and 0.19 < gaps[1] < 1.0
+    assert gaps == [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def test_issue_27s_goals_are_counted_per_round_against_the_same_rounds_rows():
+    rr = _bench("relay_router")
+
+    def row(level, rnd, target, cpu, ttft50, ttft99, gap, delay):
+        return {"level": level, "round": rnd, "target": target, "cpu_us_per_chunk": cpu, "ttft_ms_p50": ttft50,
+                "ttft_ms_p99": ttft99, "gap_ms_p999": gap, "chunk_ms_p999": delay}
+
+    rows = [row("32x5", 1, "direct", None, 5.0, 6.0, 6.0, 0.5),
+            row("32x5", 1, "vllm-router", 30.0, 5.5, 9.5, 6.0, 0.6),
+            row("32x5", 1, "prefill-gate", 44.0, 5.9, 8.9, 6.1, 0.7),   # CPU 1.47x, TTFT +0.9/+2.9: met
+            row("32x5", 2, "direct", None, 5.0, 6.0, 6.0, 0.5),
+            row("32x5", 2, "vllm-router", 20.0, 5.5, 9.5, 6.0, 0.6),
+            row("32x5", 2, "prefill-gate", 31.0, 6.1, 9.1, 6.1, 0.7),   # 1.55x, +1.1, +3.1: missed
+            row("512x80", 1, "direct", None, 80.0, 81.0, 81.0, 0.5),
+            row("512x80", 1, "vllm-router", 30.0, 80.0, 81.0, 81.0, 0.61),
+            row("512x80", 1, "prefill-gate", 40.0, 80.0, 81.0, 98.0, 0.59)]  # gap 1.21x missed, delay 1.18x met
+    figures = rr.against_direct(rows)
+    assert {(f["level"], f["round"], f["target"]) for f in figures} == {
+        (lvl, rnd, t) for lvl, rnd in (("32x5", 1), ("32x5", 2), ("512x80", 1)) for t in ("vllm-router", "prefill-gate")}
+    goals = {(g["goal"].split(" <=")[0], g["target"]): (g["met"], g["rounds"]) for g in rr.goals_met(figures)}
+    assert goals[("CPU per chunk", "prefill-gate")] == (2, 3)  # 1.47, 1.55, 1.33
+    assert ("CPU per chunk", "vllm-router") not in goals  # not against itself
+    assert goals[("added TTFT p50", "prefill-gate")] == (1, 2)
+    assert goals[("added TTFT p99", "prefill-gate")] == (1, 2)
+    assert goals[("added TTFT p50", "vllm-router")] == (2, 2)
+    assert goals[("gap p99.9", "prefill-gate")] == (0, 1)
+    assert goals[("delay p99.9", "prefill-gate")] == (1, 1)
+    assert goals[("delay p99.9", "vllm-router")] == (0, 1)
+    # an older file's rows, without gaps: that goal is not counted, not counted as met
+    old = [{k: v for k, v in r.items() if k != "gap_ms_p999"} for r in rows]
+    assert not [g for g in rr.goals_met(rr.against_direct(old)) if g["goal"].startswith("gap")]

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -127,9 +128,12 @@ class _Ticker:
 
 # ------------------------------------------------------------------ the client
 async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delays: list, sync: bool = False,
-                      arrivals: list | None = None) -> None:
+                      arrivals: list | None = None, gaps: list | None = None) -> None:
     """One streaming request over a raw socket. Stamps are found by a byte search, so
-    that the load generator costs far less than the proxy it measures."""
+    that the load generator costs far less than the proxy it measures. Per chunk: its delay
+    (arrival minus stamp) into ``delays``, its arrival into ``arrivals``, and the time since
+    this stream's previous chunk arrived (the gap a reader of the stream sees: 0 for a chunk
+    that came in the same read as the one before) into ``gaps``."""
     host, port = url.split("//", 1)[1].split(":")
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
                        "interval": interval, "stream": True, "sync": sync}).encode()
@@ -139,6 +143,7 @@ async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delay
                  b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
     buf = b""
     first = True
+    last = None  # this stream's previous chunk's arrival
     try:
         while b"[DONE]" not in buf:
             data = await reader.read(262144)
@@ -154,6 +159,9 @@ async def _one_stream(url: str, tokens: int, interval: float, ttfts: list, delay
                 delays.append(now - float(buf[j + len(STAMP):k]))
                 if arrivals is not None:
                     arrivals.append(now)
+                if gaps is not None and last is not None:
+                    gaps.append(now - last)
+                last = now
                 pos = k + 1
             buf = buf[pos:]
     finally:
@@ -167,13 +175,14 @@ def rounds_for(total: int, ttft_samples: int = 20) -> int:
 
 
 async def _measure_part(url: str, streams: int, tokens: int, interval: float, sync: bool, index: int,
-                        procs: int, total: int, ttft_samples: int = 20) -> tuple[list, list, float, list]:
+                        procs: int, total: int, ttft_samples: int = 20) -> tuple[list, list, float, list, list]:
     """Process `index` of `procs`: its `streams` of the level's `total`, each started in its
     slot of the spread (slots interleave across processes), `rounds_for(total, ttft_samples)`
-    times. Returns (TTFTs, chunk delays, wall seconds, chunk arrival times)."""
+    times. Returns (TTFTs, chunk delays, wall seconds, chunk arrival times, chunk gaps)."""
     ttfts: list[float] = []
     delays: list[float] = []
     arrivals: list[float] = []
+    gaps: list[float] = []
     await _one_stream(url, 2, 0.001, [], [])  # warm the path (the proxy's upstream pool)
     t0 = time.monotonic()
     # spread the starts over up to a second: concurrency, not a burst of simultaneous arrivals
@@ -181,11 +190,11 @@ async def _measure_part(url: str, streams: int, tokens: int, interval: float, sy
 
     async def staggered(k: int) -> None:
         await asyncio.sleep(spread * (index + k * procs) / total)
-        await _one_stream(url, tokens, interval, ttfts, delays, sync, arrivals)
+        await _one_stream(url, tokens, interval, ttfts, delays, sync, arrivals, gaps)
 
     for _ in range(rounds_for(total, ttft_samples)):
         await asyncio.gather(*(staggered(k) for k in range(streams)))
-    return ttfts, delays, time.monotonic() - t0, arrivals
+    return ttfts, delays, time.monotonic() - t0, arrivals, gaps
 
 
 def peak_rate(arrivals: list[float], window: float = 0.5) -> float:
@@ -201,7 +210,7 @@ def peak_rate(arrivals: list[float], window: float = 0.5) -> float:
     return best / window
 
 
-def _part(args: tuple) -> tuple[list, list, float, list]:
+def _part(args: tuple) -> tuple[list, list, float, list, list]:
     """One load process's share of a level, with its own cycle collector off: a full
     collection in the load generator stalls its reads, and the stall was counted as the
     relay's delay (60 ms p99.9 in the second 512-stream turn, through any relay or direct)."""
@@ -226,7 +235,8 @@ def load_plan(urls: Sequence[str], streams: int, procs: int) -> list[tuple[str, 
 
 def measure(url: str | Sequence[str], streams: int, tokens: int, interval: float, sync: bool = False,
             procs: int = 1, ttft_samples: int = 20) -> dict:
-    """Every stream's TTFT and per-chunk delay; the streams spread over `procs` load
+    """Every stream's TTFT, per-chunk delay and gap between its chunks (as its reader sees
+    them, ``gap_ms_*``; the issue-27 table's "gap"); the streams spread over `procs` load
     processes (one asyncio process tops out near 5,000 chunks/s of its own parsing), run
     again until at least `ttft_samples` streams started (a TTFT p99 of 32 first tokens is
     their maximum). Several URLs: load process i sends to ``url[i % len(url)]`` (at least
@@ -240,10 +250,13 @@ def measure(url: str | Sequence[str], streams: int, tokens: int, interval: float
             results = pool.map(_part, parts)
     ttfts = [t for r in results for t in r[0]]
     delays = [d for r in results for d in r[1]]
+    gaps = [g for r in results for g in r[4]]  # (none where every stream had one chunk: NaN)
     wall = max(r[2] for r in results)
     return {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
             "chunk_ms_p50": percentile(delays, 50) * 1e3, "chunk_ms_p99": percentile(delays, 99) * 1e3,
             "chunk_ms_p999": percentile(delays, 99.9) * 1e3, "chunk_ms_max": max(delays) * 1e3,
+            "gap_ms_p50": percentile(gaps, 50) * 1e3, "gap_ms_p99": percentile(gaps, 99) * 1e3,
+            "gap_ms_p999": percentile(gaps, 99.9) * 1e3, "gap_ms_max": max(gaps, default=math.nan) * 1e3,
             "chunks": len(delays), "chunks_per_s": len(delays) / wall,
             "peak_chunks_per_s": peak_rate([a for r in results for a in r[3]])}
 
