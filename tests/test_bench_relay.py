@@ -220,3 +220,44 @@ def test_issue_27s_goals_are_counted_per_round_against_the_same_rounds_rows():
     # an older file's rows, without gaps: that goal is not counted, not counted as met
     old = [{k: v for k, v in r.items() if k != "gap_ms_p999"} for r in rows]
     assert not [g for g in rr.goals_met(rr.against_direct(old)) if g["goal"].startswith("gap")]
+
+
+def test_a_ramp_keeps_going_while_either_criterion_is_live_and_gives_a_ceiling_by_each(monkeypatch):
+    """relay_scale's ceiling by delay p99 and by gap p99 (the issue's wording), from one ramp:
+    a relay is asked again while either has not missed twice in a row."""
+    import types
+
+    scale = _relay_scale()
+
+    class Fake:
+        def __init__(self, *args, name="x", **kwargs):
+            self.url, self.proc = f"http://{name}", types.SimpleNamespace(pid=1)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    # (target, rate) -> (delay p99, gap p99); direct is 0.5 / 8.0 at every rate
+    seen: list[tuple[str, float]] = []
+
+    def turn(url, pid, streams, rate, seconds, procs, gated):
+        name = url.split("//")[1]
+        seen.append((name, rate))
+        delay, gap = {"stamp": (0.5, 8.0)}.get(name, (0.5 if rate <= 10 else 3.0, 8.0 if rate <= 20 else 10.0))
+        return {"chunk_ms_p99": delay, "gap_ms_p99": gap, "chunks_per_s": rate, "peak_chunks_per_s": rate, "rate": rate}
+
+    monkeypatch.setattr(scale, "Service", Fake)
+    monkeypatch.setattr(scale, "router", lambda binary, worker, cpus: Fake(name="vllm-router"))
+    monkeypatch.setattr(scale, "turn", turn)
+    monkeypatch.setattr(scale.os, "sched_setaffinity", lambda pid, cpus: None)
+    args = types.SimpleNamespace(rates="10,20,30,40,50", rounds=1, upstream_procs=1, router="r", streams=10,
+                                 seconds=1.0, load_procs=1)
+    rows, by_delay, by_gap = scale.ceiling(args, list(range(8)))
+    assert by_delay == {"prefill-gate": [10.0], "vllm-router": [10.0], "uvloop-pipe": [10.0]}
+    assert by_gap == {"prefill-gate": [20.0], "vllm-router": [20.0], "uvloop-pipe": [20.0]}
+    # misses by delay at 20 and 30; by gap at 30 and 40: asked up to 40, not at 50
+    assert sorted({rate for name, rate in seen if name == "vllm-router"}) == [10, 20, 30, 40]
+    row = next(r for r in rows if r["target"] == "prefill-gate" and r["rate"] == 20)
+    assert row["keeps_up"] is False and row["keeps_up_by_gap"] is True
