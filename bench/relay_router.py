@@ -152,23 +152,8 @@ def measure_relay(url: str | list[str], pids: list[int], streams: int, tokens: i
     return row
 
 
-def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """Per level, over its rounds: every relay's CPU per chunk over vllm-router's in the same
-    round (the same load, minutes apart at most)."""
-    out: dict[str, dict[str, list[float]]] = {}
-    rounds: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        if r["cpu_us_per_chunk"] is not None:
-            rounds.setdefault((r["level"], r["round"]), {})[r["target"]] = r["cpu_us_per_chunk"]
-    for (lvl, _), cpu in rounds.items():
-        for target, us in cpu.items():
-            if target != "vllm-router" and "vllm-router" in cpu:
-                out.setdefault(lvl, {}).setdefault(target, []).append(round(us / cpu["vllm-router"], 2))
-    return out
-
-
-# Issue 27's goals, each a bound on one figure of a relay's row against the same round's
-# direct or vllm-router row: (name, the levels it is asked at, figure, bound, compared with).
+# Issue 27's goals, each a bound on one of ``against_direct``'s figures: (name, the levels it
+# is asked at, the figure, its bound).
 GOALS = (
     ("CPU per chunk <= 1.5x vllm-router's", ("32x5", "512x80"), "cpu_over_router", 1.5),
     ("added TTFT p50 <= 1 ms", ("32x5",), "added_ttft_ms_p50", 1.0),
@@ -204,6 +189,16 @@ def against_direct(rows: list[dict]) -> list[dict]:
                         "added_ttft_ms_p99": r["ttft_ms_p99"] - d["ttft_ms_p99"],
                         "gap_p999_over_direct": _over(r, d, "gap_ms_p999"),
                         "delay_p999_over_direct": _over(r, d, "chunk_ms_p999")})
+    return out
+
+
+def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per level, over its rounds: every relay's CPU per chunk over vllm-router's in the same
+    round (the same load, minutes apart at most)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for f in against_direct(rows):
+        if f["cpu_over_router"] is not None:
+            out.setdefault(f["level"], {}).setdefault(f["target"], []).append(round(f["cpu_over_router"], 2))
     return out
 
 

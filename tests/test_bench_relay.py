@@ -210,6 +210,7 @@ def test_issue_27s_goals_are_counted_per_round_against_the_same_rounds_rows():
         (lvl, rnd, t) for lvl, rnd in (("32x5", 1), ("32x5", 2), ("512x80", 1)) for t in ("vllm-router", "prefill-gate")}
     goals = {(g["goal"].split(" <=")[0], g["target"]): (g["met"], g["rounds"]) for g in rr.goals_met(figures)}
     assert goals[("CPU per chunk", "prefill-gate")] == (2, 3)  # 1.47, 1.55, 1.33
+    assert rr.cpu_ratios(rows) == {"32x5": {"prefill-gate": [1.47, 1.55]}, "512x80": {"prefill-gate": [1.33]}}
     assert ("CPU per chunk", "vllm-router") not in goals  # not against itself
     assert goals[("added TTFT p50", "prefill-gate")] == (1, 2)
     assert goals[("added TTFT p99", "prefill-gate")] == (1, 2)
