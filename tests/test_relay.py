@@ -245,7 +245,7 @@ def test_the_fast_path_cuts_and_observes_exactly_as_the_general_one(groups, cuts
 _A, _B = ev(chunk("a")), ev(chunk("b"))
 
 
-@pytest.mark.parametrize("reads", [
+EDGE_READS = [
     [_A, _A + b"\n", _B],  # a read ending in a blank line and one more LF: that LF is the next event's
     [_A, _A + _B[:-1], b"\n"],  # the last event's blank line not complete: held over
     [_A, _A + _B[:-2], b"\n\n"],
@@ -255,7 +255,10 @@ _A, _B = ev(chunk("a")), ev(chunk("b"))
     [_A, b"\n" + _B],
     [_A, _A + b": keep-alive\n\n" + _B],  # a comment between chunks
     [_A, _A + b"data: [DONE]\n\n"],
-])
+]
+
+
+@pytest.mark.parametrize("reads", EDGE_READS)
 def test_the_fast_path_at_the_edges_of_events(reads):
     """Reads whose events the fast path must not take whole: a blank line's LF in the next
     read, blank lines or comments between events, [DONE] behind a chunk."""
