@@ -55,6 +55,7 @@ from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .predict import Predictor
 from .prefix_memory import PrefixMemory
+from .relaycore import relay_factory
 from .routing import Routing
 from .settings import Settings
 from .state import AppState
@@ -140,6 +141,7 @@ def build_state(
                      Routing(settings.upstreams, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
                      predictor=predictor, bodies=body_reader(settings))
+    state.direct_relay, state.relay_core = relay_factory(settings.relay_core)
     policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)

@@ -82,9 +82,9 @@ async def _serve(settings: Settings) -> None:
         settings = settings.model_copy(update={"upstreams": [url]})
     state = build_state(settings)
     app = create_app(state)
-    log.info("prefill-gate on http://%s:%d -> %s (large prefill >= %d tokens, max queue wait %g s)",
+    log.info("prefill-gate on http://%s:%d -> %s (large prefill >= %d tokens, max queue wait %g s, %s relay core)",
              settings.host, settings.port, ", ".join(settings.upstreams), settings.large_prefill_tokens,
-             settings.max_queue_wait)
+             settings.max_queue_wait, state.relay_core)
     # uvicorn stops accepting on SIGTERM/SIGINT and waits for open requests; ours end them
     # with an error once shutdown_grace has passed, a little before uvicorn would cut them.
     proxy = uvicorn.Server(server_config(app, settings, host=settings.host, port=settings.port,
@@ -156,6 +156,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except KeysFileError as exc:
             print(f"prefill-gate: {exc}", file=sys.stderr)
             return 2
+    from .relaycore import CoreMissing, relay_factory
+
+    try:
+        relay_factory(settings.relay_core)
+    except CoreMissing as exc:
+        print(f"prefill-gate: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prometheus_client import disable_created_metrics
 

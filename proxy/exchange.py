@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from starlette.requests import ClientDisconnect
 
@@ -226,13 +225,6 @@ async def slice_window_end(predictor: "Predictor", upstream: str, window: "GapWi
     return predictor.window_max(upstream, window)
 
 
-def direct_relay(writer: ChunkWriter, observer: StreamObserver) -> Callable[[bytes], bool]:
-    """The direct path's callback for the upstream connection (``fasthttp.body_sink``): one
-    read, observed, written to the client's socket; False (left queued for the relay's task)
-    while the writer is not ready."""
-    return functools.partial(writer.write_through, observer.take)
-
-
 class GatedExchange(Exchange):
     def __init__(self, state: "AppState", req: GatedRequest):
         super().__init__(state.exchanges, state.settings.max_request_seconds)
@@ -418,11 +410,12 @@ class GatedExchange(Exchange):
         The per-chunk path: with a ``writer`` (the client's socket, when nothing stands in
         the way of writing to it), bytes that arrive while this task waits are relayed in
         the upstream connection's read callback, the task never woken; otherwise (the client
-        stopped reading, or no writer) one await of the upstream per read, then ``handle``."""
+        stopped reading, or no writer) one await of the upstream per read, then ``handle``.
+        The callback is ``relay_core``'s (``proxy.relaycore``: compiled, or Python's)."""
         splitter = observer.splitter
         read = body_reader(resp)
         if writer is not None:
-            body_sink(resp, direct_relay(writer, observer))
+            body_sink(resp, self.state.direct_relay(writer, observer))
         with mapped_errors(upstream):
             while (raw := await read()) is not None:
                 if events:

@@ -102,16 +102,16 @@ class ChunkWriter:
     stopped reading (flow control), went away, the answer is complete, or it is not chunked;
     the caller then goes through ``send``."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("cycle",)
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
+        self.cycle = cycle  # uvicorn's RequestResponseCycle (proxy/relaycore.py's compiled core reads it too)
 
     def write_through(self, take: Callable[[bytes], bytes], data: bytes) -> bool:
         """``take(data)`` written as one body part (nothing, where it gives nothing), and True;
         or, where ``send`` has more to do, False with ``take`` not called. One call: it is the
         upstream connection's read callback, the proxy's hottest path."""
-        c = self._cycle
+        c = self.cycle
         if not c.response_started or c.chunked_encoding is not True or c.response_complete \
                 or c.disconnected or c.flow.write_paused:
             return False

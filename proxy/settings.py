@@ -154,6 +154,12 @@ class Settings(BaseModel):
         description="Worker processes that read big request bodies, started with the first (which waits "
         "for it: about 0.4 s on a 2-core VM; 0: every body is read on the event loop).",
     )
+    relay_core: Literal["auto", "compiled", "python"] = Field(
+        "auto",
+        description="The relay's per-read path (proxy/relaycore.py): compiled (proxy/_relaycore.c, built by "
+        "pip install where a C compiler is at hand; less CPU a relayed chunk, docs/RESULTS.md 3l) or "
+        "Python's, which behaves alike. auto: compiled where built; compiled: refuse to start without it.",
+    )
     max_json_depth: int = Field(
         128, ge=8, le=900,
         description="Deepest nesting of JSON objects and arrays in a request body (400 above).",

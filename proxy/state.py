@@ -15,6 +15,7 @@ from .estimate import Estimator
 from .gate import Gate
 from .metrics import Metrics
 from .predict import Predictor
+from .relaycore import RelayFactory, python_relay
 from .prefix_memory import PrefixMemory
 from .routing import Routing
 from .settings import Settings
@@ -37,6 +38,8 @@ class AppState:
     exchanges: set = field(default_factory=set)  # requests in progress (relay.Exchange)
     predictor: Predictor | None = None
     bodies: BodyReader | None = None
+    direct_relay: RelayFactory = python_relay  # the relay's read callbacks (relay_core)
+    relay_core: str = "python"  # which: "compiled" or "python"
 
     @property
     def health(self) -> dict[str, bool]:

@@ -2,7 +2,9 @@
 # Install everything the tests need into .venv and run them (CPU only, no network
 # beyond the package index). The README's test command and CI run exactly this.
 #
-#   1. the proxy with its test extras, at the versions of requirements/test.lock;
+#   1. the proxy with its test extras, at the versions of requirements/test.lock, and the
+#      relay's compiled core (proxy/_relaycore.c: pip builds it with the C compiler; its
+#      tests fail rather than skip here, PREFILL_GATE_REQUIRE_COMPILED);
 #   2. vLLM 0.26.0's scheduler for the engine_patches tests: the CPU build of torch and
 #      what vLLM imports (requirements/engine-cpu.txt), then vLLM itself without its
 #      dependencies (requirements/engine-nodeps.txt: its torch pin is a CUDA build of
@@ -30,4 +32,4 @@ python3 -m venv .venv
 # change what CI tests with.
 .venv/bin/pip install -q -c requirements/test.lock -e ".[test]" -r requirements/engine-cpu.txt
 .venv/bin/pip install -q --no-deps -c requirements/test.lock -r requirements/engine-nodeps.txt
-PREFILL_GATE_REQUIRE_ENGINE=1 PREFILL_GATE_REQUIRE_DEPLOY_TOOLS=1 exec .venv/bin/python -m pytest "$@"
+PREFILL_GATE_REQUIRE_ENGINE=1 PREFILL_GATE_REQUIRE_DEPLOY_TOOLS=1 PREFILL_GATE_REQUIRE_COMPILED=1 exec .venv/bin/python -m pytest "$@"

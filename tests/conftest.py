@@ -24,6 +24,21 @@ from proxy.settings import load_settings
 
 UPSTREAM = "http://vllm.test"
 CHAT = "/v1/chat/completions"
+RELAY_CORES = ["compiled", "python"]  # relay_core settings the relay's tests run under
+
+
+def compiled_core():
+    """proxy._relaycore (the relay's compiled core). Where the install could not build it the
+    test is skipped, or fails with PREFILL_GATE_REQUIRE_COMPILED=1 (scripts/test.sh sets it:
+    CI builds it)."""
+    from proxy.relaycore import compiled_module
+
+    core = compiled_module()
+    if isinstance(core, ImportError):
+        if os.environ.get("PREFILL_GATE_REQUIRE_COMPILED") == "1":
+            pytest.fail(f"the compiled relay core did not import: {core}")
+        pytest.skip(f"the compiled relay core is not built here ({core})")
+    return core
 
 
 def chat(content="hi", **extra) -> dict:

@@ -1,6 +1,7 @@
 """The relay's direct path: body bytes written to the client from the upstream's read
-callback (``proxy.listener.ChunkWriter``, ``proxy.fasthttp.body_sink``), with real sockets
-on both sides (uvicorn's httptools listener, the proxy's own transport)."""
+callback (``proxy.listener.ChunkWriter``, ``proxy.fasthttp.body_sink``; the callback of
+either relay core, ``proxy.relaycore``), with real sockets on both sides (uvicorn's httptools
+listener, the proxy's own transport)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import types
 
 import pytest
 
-from conftest import make_state, serve
-from proxy import listener
+from conftest import RELAY_CORES, compiled_core, make_state, serve
+from proxy import app as app_module
+from proxy import listener, relaycore
 from proxy.app import create_app
 from proxy.listener import chunk_writer
 
@@ -106,18 +108,31 @@ def test_write_through_writes_exactly_when_send_has_nothing_more_to_do(fields):
     assert written == ([b"3\r\nABC\r\n"] if ready else [])
 
 
-@pytest.fixture
-def writes(monkeypatch):
-    """Counts the reads the relay wrote from the read callback (``write_through`` took them)."""
-    count = {"n": 0}
-    original = listener.ChunkWriter.write_through
+@pytest.fixture(params=RELAY_CORES)
+def writes(request, monkeypatch):
+    """Runs the test under each relay core (``relay_core``) and counts the reads the relay
+    wrote from the read callback (the callback took them)."""
+    if request.param == "compiled":
+        compiled_core()
+    count = {"n": 0, "core": request.param}
 
-    def counted(self, take, data):
-        taken = original(self, take, data)
-        count["n"] += taken
-        return taken
+    def factory(choice):
+        make, name = relaycore.relay_factory(request.param)
+        assert name == request.param
 
-    monkeypatch.setattr(listener.ChunkWriter, "write_through", counted)
+        def counting(writer, observer):
+            callback = make(writer, observer)
+
+            def counted(data):
+                taken = callback(data)
+                count["n"] += taken
+                return taken
+
+            return counted
+
+        return counting, name
+
+    monkeypatch.setattr(app_module, "relay_factory", factory)
     return count
 
 
@@ -193,10 +208,15 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_on_the_direct
         await asyncio.wait_for(closed.wait(), 10)
 
 
-async def test_the_direct_path_leaves_no_reference_cycles():
+@pytest.mark.parametrize("core", RELAY_CORES)
+async def test_the_direct_path_leaves_no_reference_cycles(core):
     """As through send (tests/test_relay.py): a request's objects go by reference counting
-    when it ends, the sink's closure included (its connection, pooled, lets go of it)."""
+    when it ends, the read callback included (its connection, pooled, lets go of it), with
+    either relay core."""
     import gc
+
+    if core == "compiled":
+        compiled_core()
 
     from proxy.disconnect import DisconnectWatch
     from proxy.exchange import GatedExchange
@@ -205,8 +225,10 @@ async def test_the_direct_path_leaves_no_reference_cycles():
 
     events = [sse(i) for i in range(50)] + [b"data: [DONE]\n\n"]
     server, url, stream, _ = await sse_upstream(events, random.Random(2))
-    state = make_state(upstreams=[url])
+    state = make_state(upstreams=[url], relay_core=core)
     kinds = (GatedExchange, DisconnectWatch, StreamObserver, _ResponseStream, listener.ChunkWriter)
+    if core == "compiled":
+        kinds += (compiled_core().DirectRelay,)  # (after the import above: it skips where not built)
     async with server, serve(create_app(state, health_checks=False)) as proxy:
         assert dechunk(await post_raw(proxy, "/v1/chat/completions", CHAT)) == stream  # warm
         await asyncio.sleep(0.05)

@@ -1,0 +1,346 @@
+/* The relay's per-read path, compiled (issue 27).
+
+   Every upstream read of a stream under way runs the same few checks and one write: is the
+   client's side ready for a body part, is the read nothing but whole content chunks, then
+   frame it and write it. In Python that is half a dozen bytes-method calls and three
+   frames a read, most of the proxy's own CPU per chunk once the sockets are counted out.
+   This module does the same in one call. It decides nothing of its own: every rule is the
+   Python code's, and tests/test_relaycore.py holds the two equal.
+
+     plain_events(data) -> int
+         StreamObserver.take's test (proxy/relay.py, plain_events): how many one-line
+         content events ``data`` is exactly, or 0 where the read needs the general path.
+
+     DirectRelay(cycle, observer)(data) -> bool
+         exactly ``ChunkWriter(cycle).write_through(observer.take, data)`` (proxy/listener.py,
+         proxy/relay.py): False, with nothing taken, while uvicorn's ``send`` has more to
+         do than write a body part; else the read observed and written, and True. A plain
+         read is counted with ``observer.counted(n)``; any other goes to ``observer.take``.
+
+   DirectRelay tests bytes only; any other read (none comes from proxy/fasthttp.py) goes to
+   ``observer.take``, which treats it as Python would. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <string.h>
+
+static PyObject *s_response_started, *s_chunked_encoding, *s_response_complete, *s_disconnected, *s_flow,
+    *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_counted, *s_take;
+
+static const char EVENT_HEAD[] = "data: {";        /* how a plain content event starts */
+static const char EVENT_JOIN[] = "\n\ndata: {";    /* the seam between two of them in one read */
+
+/* The rule of proxy/relay.py's plain_events, in one pass over the read: it starts with
+   EVENT_HEAD and ends in exactly one blank line; no CR; no '"usage"', '"error"' or
+   '"choices":[]'; and its LFs are two an event, all but the last two in an EVENT_JOIN
+   (the count of LFs and of EVENT_JOINs decide it, as in Python). */
+static Py_ssize_t
+count_plain(const char *p, Py_ssize_t n)
+{
+    const Py_ssize_t head = (Py_ssize_t)(sizeof(EVENT_HEAD) - 1), join = (Py_ssize_t)(sizeof(EVENT_JOIN) - 1);
+    if (n < head || memcmp(p, EVENT_HEAD, (size_t)head) != 0)
+        return 0;
+    if (!(p[n - 1] == '\n' && p[n - 2] == '\n' && p[n - 3] != '\n'))
+        return 0;
+    Py_ssize_t lfs = 0, joins = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        switch (p[i]) {
+        case '\r':
+            return 0;
+        case '\n':
+            lfs++;
+            if (i + join <= n && p[i + 1] == '\n' && memcmp(p + i, EVENT_JOIN, (size_t)join) == 0) {
+                joins++;  /* (its second LF is counted on the next turn) */
+            }
+            break;
+        case '"': {
+            const char *q = p + i + 1;
+            Py_ssize_t left = n - i - 1;
+            if ((left >= 6 && memcmp(q, "usage\"", 6) == 0) || (left >= 6 && memcmp(q, "error\"", 6) == 0)
+                || (left >= 11 && memcmp(q, "choices\":[]", 11) == 0))
+                return 0;
+            break;
+        }
+        default:
+            break;
+        }
+    }
+    Py_ssize_t events = lfs >> 1;
+    if (lfs == 2)
+        return 1;
+    if (!(lfs & 1) && joins == events - 1)
+        return events;
+    return 0;
+}
+
+static PyObject *
+plain_events(PyObject *module, PyObject *data)
+{
+    if (PyBytes_CheckExact(data))
+        return PyLong_FromSsize_t(count_plain(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data)));
+    Py_buffer view;  /* a bytearray, as Python's rule takes one too */
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t n = count_plain(view.buf, view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
+/* -------------------------------------------------------------------- DirectRelay */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *cycle;     /* uvicorn's RequestResponseCycle of the client's request */
+    PyObject *observer;  /* the stream's StreamObserver */
+    /* Read once: none changes in a cycle's or an observer's life (uvicorn sets a cycle's
+       flow and transport in its __init__; an observer keeps its splitter). */
+    PyObject *flow;      /* cycle.flow */
+    PyObject *write;     /* cycle.transport.write */
+    PyObject *splitter;  /* observer.splitter */
+    vectorcallfunc vectorcall;
+} DirectRelay;
+
+/* The truth of getattr(obj, name): 1, 0, or -1 with an exception set. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* ChunkWriter.write_through's readiness, in its order: 1 ready, 0 not, -1 error. */
+static int
+cycle_ready(PyObject *c, PyObject *flow)
+{
+    int t = attr_true(c, s_response_started);
+    if (t <= 0)
+        return t;
+    PyObject *chunked = PyObject_GetAttr(c, s_chunked_encoding);
+    if (chunked == NULL)
+        return -1;
+    int is_true = chunked == Py_True;
+    Py_DECREF(chunked);
+    if (!is_true)
+        return 0;
+    if ((t = attr_true(c, s_response_complete)) != 0 || (t = attr_true(c, s_disconnected)) != 0)
+        return t < 0 ? -1 : 0;
+    t = attr_true(flow, s_write_paused);
+    return t < 0 ? -1 : !t;
+}
+
+/* StreamObserver.take's precondition for its fast path: under way, nothing held over.
+   1, 0, or -1 with an exception set. */
+static int
+observer_under_way(PyObject *observer, PyObject *splitter)
+{
+    PyObject *first_at = PyObject_GetAttr(observer, s_first_at);
+    if (first_at == NULL)
+        return -1;
+    int under_way = first_at != Py_None;
+    Py_DECREF(first_at);
+    if (!under_way)
+        return 0;
+    int held = attr_true(splitter, s_held);
+    return held < 0 ? -1 : !held;
+}
+
+/* b"%x\r\n%s\r\n" % (len(body), body), for any bytes-like body. */
+static PyObject *
+framed(PyObject *body)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    char size[2 * sizeof(Py_ssize_t) + 1];
+    int digits = snprintf(size, sizeof(size), "%zx", (size_t)view.len);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, digits + 2 + view.len + 2);
+    if (out != NULL) {
+        char *p = PyBytes_AS_STRING(out);
+        memcpy(p, size, (size_t)digits);
+        memcpy(p + digits, "\r\n", 2);
+        memcpy(p + digits + 2, view.buf, (size_t)view.len);
+        memcpy(p + digits + 2 + view.len, "\r\n", 2);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *
+relay_call(DirectRelay *self, PyObject *data)
+{
+    int ready = cycle_ready(self->cycle, self->flow);
+    if (ready <= 0)
+        return ready < 0 ? NULL : Py_NewRef(Py_False);
+    PyObject *body;
+    Py_ssize_t n = 0;
+    if (PyBytes_CheckExact(data)) {
+        int under_way = observer_under_way(self->observer, self->splitter);
+        if (under_way < 0)
+            return NULL;
+        if (under_way)
+            n = count_plain(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
+    }
+    if (n > 0) {
+        PyObject *count = PyLong_FromSsize_t(n);
+        if (count == NULL)
+            return NULL;
+        PyObject *r = PyObject_CallMethodOneArg(self->observer, s_counted, count);
+        Py_DECREF(count);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        body = Py_NewRef(data);
+    } else {
+        body = PyObject_CallMethodOneArg(self->observer, s_take, data);
+        if (body == NULL)
+            return NULL;
+    }
+    int nonempty = PyObject_IsTrue(body);
+    if (nonempty > 0) {
+        PyObject *out = framed(body);
+        PyObject *r = out == NULL ? NULL : PyObject_CallOneArg(self->write, out);
+        Py_XDECREF(out);
+        if (r == NULL)
+            nonempty = -1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(body);
+    return nonempty < 0 ? NULL : Py_NewRef(Py_True);
+}
+
+static PyObject *
+relay_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "DirectRelay takes one positional argument (a read's bytes)");
+        return NULL;
+    }
+    return relay_call((DirectRelay *)self, args[0]);
+}
+
+static int
+relay_init(DirectRelay *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"cycle", "observer", NULL};
+    PyObject *cycle, *observer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:DirectRelay", names, &cycle, &observer))
+        return -1;
+    PyObject *flow = PyObject_GetAttr(cycle, s_flow);
+    PyObject *transport = flow == NULL ? NULL : PyObject_GetAttr(cycle, s_transport);
+    PyObject *write = transport == NULL ? NULL : PyObject_GetAttr(transport, s_write);
+    PyObject *splitter = write == NULL ? NULL : PyObject_GetAttr(observer, s_splitter);
+    Py_XDECREF(transport);
+    if (splitter == NULL) {
+        Py_XDECREF(flow);
+        Py_XDECREF(write);
+        return -1;
+    }
+    Py_XSETREF(self->cycle, Py_NewRef(cycle));
+    Py_XSETREF(self->observer, Py_NewRef(observer));
+    Py_XSETREF(self->flow, flow);
+    Py_XSETREF(self->write, write);
+    Py_XSETREF(self->splitter, splitter);
+    return 0;
+}
+
+static PyObject *
+relay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    DirectRelay *self = (DirectRelay *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->vectorcall = relay_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+relay_traverse(DirectRelay *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cycle);
+    Py_VISIT(self->observer);
+    Py_VISIT(self->flow);
+    Py_VISIT(self->write);
+    Py_VISIT(self->splitter);
+    return 0;
+}
+
+static int
+relay_clear(DirectRelay *self)
+{
+    Py_CLEAR(self->cycle);
+    Py_CLEAR(self->observer);
+    Py_CLEAR(self->flow);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->splitter);
+    return 0;
+}
+
+static void
+relay_dealloc(DirectRelay *self)
+{
+    PyObject_GC_UnTrack(self);
+    relay_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject DirectRelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "proxy._relaycore.DirectRelay",
+    .tp_doc = "DirectRelay(cycle, observer)(data): ChunkWriter(cycle).write_through(observer.take, data), compiled.",
+    .tp_basicsize = sizeof(DirectRelay),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(DirectRelay, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = relay_new,
+    .tp_init = (initproc)relay_init,
+    .tp_traverse = (traverseproc)relay_traverse,
+    .tp_clear = (inquiry)relay_clear,
+    .tp_dealloc = (destructor)relay_dealloc,
+};
+
+static PyMethodDef module_methods[] = {
+    {"plain_events", plain_events, METH_O,
+     "plain_events(data: bytes) -> int: how many one-line content events the read is exactly, or 0."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "proxy._relaycore", "The relay's per-read path, compiled (see proxy/_relaycore.c).",
+    -1, module_methods,
+};
+
+static int
+intern_names(void)
+{
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&s_response_started, "response_started"}, {&s_chunked_encoding, "chunked_encoding"},
+        {&s_response_complete, "response_complete"}, {&s_disconnected, "disconnected"}, {&s_flow, "flow"},
+        {&s_write_paused, "write_paused"}, {&s_transport, "transport"}, {&s_write, "write"},
+        {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_counted, "counted"},
+        {&s_take, "take"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)
+            return -1;
+    return 0;
+}
+
+PyMODINIT_FUNC
+PyInit__relaycore(void)
+{
+    if (intern_names() < 0 || PyType_Ready(&DirectRelayType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "DirectRelay", (PyObject *)&DirectRelayType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

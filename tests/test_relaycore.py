@@ -1,0 +1,251 @@
+"""The relay's compiled core (proxy/_relaycore.c) against the Python it compiles: its
+``plain_events`` against ``relay.plain_events``, its ``DirectRelay`` against
+``ChunkWriter.write_through`` over ``StreamObserver.take``, over the same reads; its errors,
+its references, and the ``relay_core`` setting that chooses it."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import sys
+import tracemalloc
+import types
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import compiled_core, make_state
+from proxy import cli, relaycore
+from proxy.listener import ChunkWriter
+from proxy.relay import StreamObserver, plain_events
+from test_relay import _EVENTS, EDGE_READS, _reads, chunk, ev
+
+
+@pytest.fixture(scope="module")
+def core():
+    return compiled_core()
+
+
+# ------------------------------------------------------------------ plain_events
+_SIGNIFICANT = st.sampled_from([b"data: {", b"\n", b"\n\n", b"\r", b"\r\n", b'"usage"', b'"error"',
+                                b'"choices":[]', b'"choices":[{}]', b"\n\ndata: {", b"data: [DONE]", b"x", b"}",
+                                b'"', b"usage", b"data:", b" "])
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.one_of(
+    st.lists(st.lists(_EVENTS, min_size=1, max_size=4), min_size=1, max_size=6).flatmap(
+        lambda groups: st.tuples(st.just(groups), st.lists(st.integers(0, 10_000), max_size=6),
+                                 st.sampled_from(["groups", "cuts"]))).map(lambda a: _reads(*a)),
+    st.lists(st.tuples(st.sampled_from([b"data: {", b"data: {", b"data: ", b""]),
+                       st.lists(_SIGNIFICANT, max_size=24).map(b"".join),
+                       st.sampled_from([b"}\n\n", b"}\n\n", b"\n", b"", b"\r\n\r\n", b"\n\n\n"])).map(b"".join),
+             min_size=1, max_size=4),
+    st.lists(st.binary(max_size=64), min_size=1, max_size=4),
+))
+def test_plain_events_counts_as_the_python_rule(core, reads):
+    """Over whole events, events cut anywhere, soups of the bytes the rule looks for (mostly
+    between an event's start and end) and random bytes: the same count as ``relay.plain_events``, from bytes and from a bytearray."""
+    for data in reads:
+        assert core.plain_events(data) == plain_events(data), data
+        assert core.plain_events(bytearray(data)) == plain_events(data), data
+
+
+@pytest.mark.parametrize("data, n", [
+    (ev(chunk("a")), 1),
+    (ev(chunk("a")) + ev(chunk("b")) + ev(chunk("c")), 3),
+    (ev(chunk("a")) + b"\n", 0),  # a third LF: the next event's
+    (ev(chunk("a"))[:-1], 0),  # no blank line yet
+    (ev(chunk("a")).replace(b"\n\n", b"\r\n\r\n"), 0),
+    (ev(chunk("a")).replace(b"\n\n", b"\r\n\n"), 0),  # a CR: a line ends there
+    (ev(chunk("a")) + ev(chunk("\r")).replace(b"\\r", b"\r"), 0),
+    (ev(chunk("a")) + b"data: [DONE]\n\n", 0),
+    (ev({"choices": [], "usage": {"prompt_tokens": 1}}), 0),
+    (ev({"error": {"message": "boom"}}), 0),
+    (b'data: {"choices":[{"text":"a"}]}\ndata: {}\n\n', 0),  # one event of two lines
+    (ev(chunk("a")) + b"\n\n" + ev(chunk("b")), 0),  # an empty event between two
+    (b"", 0), (b"data: {", 0), (b"\n\n", 0), (b"data: {\n\n", 1),
+])
+def test_plain_events_at_the_edges(core, data, n):
+    assert plain_events(data) == n and core.plain_events(data) == n
+
+
+def test_plain_events_takes_only_bytes_like_reads(core):
+    with pytest.raises(TypeError):
+        core.plain_events("data: {}\n\n")
+
+
+# ------------------------------------------------------------------ DirectRelay
+def _cycle(writes: list, **fields):
+    state = dict(response_started=True, chunked_encoding=True, response_complete=False, disconnected=False)
+    state.update(fields)
+    return types.SimpleNamespace(**state, flow=types.SimpleNamespace(write_paused=fields.get("paused", False)),
+                                 transport=types.SimpleNamespace(write=writes.append))
+
+
+def _observer(log: list, now: list, drop_usage: bool) -> StreamObserver:
+    return StreamObserver(lambda: log.append(("first", now[0])), lambda gap, n: log.append((gap, n)),
+                          drop_usage=drop_usage, clock=lambda: now[0])
+
+
+def _relays_alike(core, reads, states=("ready",), drop_usage=False):
+    """Read for read, ``DirectRelay(cycle, observer)`` returns, writes and records exactly what
+    ``ChunkWriter(cycle).write_through(observer.take, data)`` does; the client's side in
+    ``states`` in turn (a read not taken goes to the relay's task: there, ``take`` as well)."""
+    now = [0.0]
+    logs = {"python": [], "compiled": []}
+    writes = {"python": [], "compiled": []}
+    cycles = {k: _cycle(writes[k]) for k in logs}
+    observers = {k: _observer(logs[k], now, drop_usage) for k in logs}
+    python = functools.partial(ChunkWriter(cycles["python"]).write_through, observers["python"].take)
+    compiled = core.DirectRelay(cycles["compiled"], observers["compiled"])
+    for i, data in enumerate(reads):
+        now[0] = i * 0.25
+        for c in cycles.values():
+            c.flow.write_paused = states[i % len(states)] == "paused"
+            c.response_complete = states[i % len(states)] == "complete"
+        taken = python(data)
+        assert compiled(data) is taken
+        if not taken:
+            assert observers["compiled"].take(data) == observers["python"].take(data)
+        assert writes["compiled"] == writes["python"], i
+    assert logs["compiled"] == logs["python"]
+    fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
+    assert [getattr(observers["compiled"], f) for f in fields] == [getattr(observers["python"], f) for f in fields]
+    assert observers["compiled"].splitter.flush() == observers["python"].splitter.flush()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=10),
+       st.lists(st.integers(0, 10_000), max_size=10), st.sampled_from(["groups", "cuts"]), st.booleans(),
+       st.lists(st.sampled_from(["ready", "paused", "complete"]), min_size=10, max_size=10))
+def test_direct_relay_takes_writes_and_records_as_write_through(core, groups, cuts, how, drop_usage, states):
+    """Over any events, read whole, in groups or cut anywhere, with the client's side ready,
+    paused or complete in turn: the compiled callback is the Python one."""
+    _relays_alike(core, _reads(groups, cuts, how), states, drop_usage)
+
+
+@pytest.mark.parametrize("reads", EDGE_READS)
+def test_direct_relay_at_the_edges_of_events(core, reads):
+    """The reads the fast path must not take whole (tests/test_relay.py): a blank line's LF
+    left over for the next read, blank lines or comments between events, [DONE] behind a chunk."""
+    _relays_alike(core, reads)
+
+
+def _never(data):
+    raise AssertionError("take called while the client's side was not ready")
+
+
+@pytest.mark.parametrize("fields", list(itertools.product([False, True], [False, True, "maybe"], [False, True],
+                                                           [False, True], [False, True])))
+def test_direct_relay_is_ready_exactly_when_write_through_is(core, fields):
+    """Over every state of the cycle's fields: taken and written only while the answer is
+    started, chunked, not complete, its client there and reading; else False, ``take`` not
+    called (tests/test_direct_relay.py holds write_through to the same)."""
+    started, chunked, complete, disconnected, paused = fields
+    written = []
+    cycle = _cycle(written, response_started=started, chunked_encoding=chunked, response_complete=complete,
+                   disconnected=disconnected, paused=paused)
+    ready = started and chunked is True and not complete and not disconnected and not paused
+    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""),
+                                     take=bytes.upper if ready else _never)
+    assert core.DirectRelay(cycle, observer)(b"abc") is ready
+    assert written == ([b"3\r\nABC\r\n"] if ready else [])
+
+
+def test_direct_relay_writes_nothing_for_nothing_and_frames_any_bytes_like(core):
+    written = []
+    cycle = _cycle(written)
+    for take, expect in [(lambda d: b"", []), (lambda d: bytearray(b"xy"), [b"2\r\nxy\r\n"]),
+                         (lambda d: memoryview(b"z" * 300), [b"12c\r\n" + b"z" * 300 + b"\r\n"])]:
+        written.clear()
+        observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=take)
+        assert core.DirectRelay(cycle, observer)(b"data") is True
+        assert written == expect
+
+
+def test_direct_relay_raises_what_its_callbacks_raise(core):
+    """An error in the observer or in the write reaches the upstream connection's callback
+    (which fails the response: proxy/fasthttp.py), nothing swallowed."""
+    def boom(data):
+        raise ValueError("observer failed")
+
+    def refuse(data):
+        raise OSError("socket gone")
+
+    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=boom)
+    with pytest.raises(ValueError, match="observer failed"):
+        core.DirectRelay(_cycle([]), observer)(b"x")
+    cycle = _cycle([])
+    cycle.transport.write = refuse
+    observer.take = bytes
+    with pytest.raises(OSError, match="socket gone"):
+        core.DirectRelay(cycle, observer)(b"x")
+    under_way = StreamObserver(lambda: None, lambda gap, n: boom(None))
+    under_way.first_at = under_way.last_at = 0.0
+    with pytest.raises(ValueError, match="observer failed"):  # from counted's on_tokens, on the fast path
+        core.DirectRelay(_cycle([]), under_way)(ev(chunk("a")))
+    del cycle.flow.write_paused
+    with pytest.raises(AttributeError):
+        core.DirectRelay(cycle, observer)(b"x")
+
+
+def test_direct_relay_refuses_wrong_arguments(core):
+    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=bytes)
+    with pytest.raises(TypeError):
+        core.DirectRelay(_cycle([]))
+    with pytest.raises(AttributeError):  # a cycle without a flow or transport
+        core.DirectRelay(types.SimpleNamespace(), observer)
+    relay = core.DirectRelay(_cycle([]), observer)
+    with pytest.raises(TypeError):
+        relay(b"a", b"b")
+    with pytest.raises(TypeError):
+        relay(data=b"a")
+
+
+def test_direct_relay_keeps_no_references_and_no_memory(core):
+    """A million reads' worth of calls leave every object's references as they were and the
+    process's memory where it was (the C code's references counted right); a relay in a
+    reference cycle goes at a collection (it tells the collector what it holds)."""
+    observer = StreamObserver(lambda: None, lambda gap, n: None)
+    observer.take(ev(chunk("first")))
+    cycle = _cycle([])
+    cycle.transport.write = len  # takes the bytes, keeps nothing
+    relay = core.DirectRelay(cycle, observer)
+    plain, other = ev(chunk("a")), ev({"choices": [], "usage": {"prompt_tokens": 1}})
+    before = [sys.getrefcount(o) for o in (plain, other, observer, cycle)]
+    for _ in range(1000):
+        relay(plain), relay(other)
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        for _ in range(100_000):
+            relay(plain), relay(other)
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [sys.getrefcount(o) for o in (plain, other, observer, cycle)] == before
+    assert grown < 64 * 1024
+    holder = types.SimpleNamespace()
+    holder.relay = core.DirectRelay(_cycle([]), types.SimpleNamespace(splitter=holder))
+    kind = type(holder.relay)
+    del holder
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is kind and o is not relay]
+
+
+# ------------------------------------------------------------ the relay_core setting
+def test_auto_runs_the_compiled_core_where_it_is_built(core):
+    state = make_state()
+    assert state.relay_core == "compiled" and make_state(relay_core="compiled").relay_core == "compiled"
+    assert make_state(relay_core="python").direct_relay is relaycore.python_relay
+
+
+def test_without_the_compiled_core_auto_runs_python_and_compiled_refuses(monkeypatch, capsys):
+    monkeypatch.setattr(relaycore, "compiled_module", lambda: ImportError("no module named proxy._relaycore"))
+    assert relaycore.relay_factory("auto") == (relaycore.python_relay, "python")
+    with pytest.raises(relaycore.CoreMissing, match="C compiler"):
+        relaycore.relay_factory("compiled")
+    assert cli.main(["serve", "--upstream", "http://127.0.0.1:9", "--relay-core", "compiled", "--port", "0"]) == 2
+    assert "relay_core is 'compiled' but the compiled relay core did not import" in capsys.readouterr().err
