@@ -1,6 +1,7 @@
 """The Python the relay runs per upstream read, in process, with the real objects (issue 27).
 
-    python3 bench/relay_read.py [--streams 1,512] [--events 1,3] [--rounds 8] [--baseline DIR] [--json F]
+    python3 bench/relay_read.py [--streams 1,512] [--events 1,3] [--rounds 8] [--cores compiled,python]
+                                [--baseline DIR] [--json F]
 
 End to end, a relayed chunk's CPU is mostly the event loop and two syscalls, and it wanders
 by 10-20% from turn to turn on a shared machine (bench/relay_router.py). This isolates the
@@ -12,7 +13,9 @@ exchanges, leases and gate are the app's own (``build_state``), only the sockets
 out of the CPU's caches, as the relay does with hundreds of streams. ``--events`` chunks per
 read (more than one: reads that coalesced). Each (target, K, events) runs in a process of its
 own, targets alternating, ``--rounds`` times; the table gives the median and the range.
-``--baseline DIR``: another checkout's proxy (``git worktree add DIR COMMIT``) beside this one.
+``--cores``: the ``relay_core`` settings to run side by side (the compiled callback,
+proxy/_relaycore.c, and Python's). ``--baseline DIR``: another checkout's proxy (``git
+worktree add DIR COMMIT``) beside this one.
 """
 
 from __future__ import annotations
@@ -61,14 +64,22 @@ class _Cycle:
         self.flow, self.transport, self.scope = _Flow(), _Transport(), {"method": "POST"}
 
 
-def _direct(writer, observer, splitter):
-    """The callback the relay installs on the upstream connection: the code's own (from
-    46abd42 on, the observer owns its splitter), or for a checkout from before
-    ``direct_relay`` (2fab5de and older) what its ``_pump`` wrote inline."""
+def _direct(writer, observer, splitter, core: str):
+    """The callback the relay installs on the upstream connection: the code's own for the
+    ``relay_core`` setting ``core`` (from proxy/relaycore.py on), or for an older checkout
+    its ``direct_relay`` (46abd42 on: the observer owns its splitter), or what its ``_pump``
+    wrote inline (2fab5de and older)."""
     import inspect
 
     import proxy.exchange
 
+    try:
+        from proxy.relaycore import relay_factory
+    except ImportError:
+        relay_factory = None
+    if relay_factory is not None:
+        observer.splitter = splitter
+        return relay_factory(core)[0](writer, observer)
     if hasattr(proxy.exchange, "direct_relay"):
         if len(inspect.signature(proxy.exchange.direct_relay).parameters) == 2:
             observer.splitter = splitter
@@ -86,7 +97,7 @@ def _direct(writer, observer, splitter):
     return direct
 
 
-async def _per_read(streams: int, events: int, reads: int) -> float:
+async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -> float:
     """Seconds of one read, the best of 7 passes over ``reads`` reads. Fails unless every
     chunk fed reached the client's transport and was counted by its stream."""
     from prometheus_client import CollectorRegistry
@@ -120,7 +131,7 @@ async def _per_read(streams: int, events: int, reads: int) -> float:
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         conn.waiter = loop.create_future()
         conn._timer = loop.call_at(loop.time() + 600, lambda: None)
-        conn.sink = _direct(writer, observer, splitter)
+        conn.sink = _direct(writer, observer, splitter, core)
         conn.data_received(_wire(EVENT))  # the first content: the stream is under way
         conns.append(conn)
         observers.append(observer)
@@ -146,13 +157,13 @@ async def _per_read(streams: int, events: int, reads: int) -> float:
 
 
 def _worker(argv: list[str]) -> None:
-    code, streams, events, reads = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    code, core, streams, events, reads = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
     sys.path.insert(0, code)
-    print(json.dumps({"s": asyncio.run(_per_read(streams, events, reads))}))
+    print(json.dumps({"s": asyncio.run(_per_read(streams, events, reads, core))}))
 
 
-def _run(code: str, streams: int, events: int, reads: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--worker", code, str(streams), str(events), str(reads)],
+def _run(code: str, core: str, streams: int, events: int, reads: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--worker", code, core, str(streams), str(events), str(reads)],
                          capture_output=True, text=True, cwd=code, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["s"]
 
@@ -172,29 +183,32 @@ def main(argv=None) -> int:
     ap.add_argument("--reads", type=int, default=100_000, help="reads per pass")
     ap.add_argument("--baseline", help="another checkout: its proxy beside this one")
     ap.add_argument("--baseline-commit", help="the baseline's commit, where DIR is a copy without .git")
+    ap.add_argument("--cores", default="compiled,python",
+                    help="this checkout's relay_core settings to run (compiled, python, auto)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    targets = {"prefill-gate": str(ROOT)}
+    targets = {("prefill-gate" if core == "compiled" else f"prefill-gate ({core} core)"): (str(ROOT), core)
+               for core in args.cores.split(",")}
     base_commit = None
     if args.baseline:
         base_commit = args.baseline_commit or subprocess.run(
             ["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
             text=True).stdout.strip()
-        targets[f"prefill-gate@{base_commit}"] = str(pathlib.Path(args.baseline).resolve())
+        targets[f"prefill-gate@{base_commit}"] = (str(pathlib.Path(args.baseline).resolve()), "auto")
     cases = [(k, e) for k in map(int, args.streams.split(",")) for e in map(int, args.events.split(","))]
     samples: dict[tuple, list[float]] = {}
     for rnd in range(args.rounds):
         for k, e in cases:
-            for name, code in targets.items():  # targets alternate within a round
+            for name, (code, core) in targets.items():  # targets alternate within a round
                 print(f"[relay_read] round {rnd + 1}: {name}, {k} streams, {e} chunks/read", file=sys.stderr)
-                samples.setdefault((name, k, e), []).append(_run(code, k, e, args.reads) * 1e6)
+                samples.setdefault((name, k, e), []).append(_run(code, core, k, e, args.reads) * 1e6)
     rows = [{"target": name, "streams": k, "events": e, "us_median": statistics.median(v), "us_min": min(v),
              "us_max": max(v), "us_per_chunk": statistics.median(v) / e, "samples_us": v}
             for (name, k, e), v in samples.items()]
     print(table(rows, COLUMNS))
     if args.json:
         write_json(args.json, {"bench": "relay_read", "streams": args.streams, "events": args.events,
-                               "rounds": args.rounds, "reads": args.reads,
+                               "rounds": args.rounds, "reads": args.reads, "cores": args.cores,
                                "baseline": args.baseline and {"dir": args.baseline, "commit": base_commit},
                                "rows": rows, **environment()})
     return 0

@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", action="append", default=[],
                     help="a checkout of another commit: its prefill-gate as one more target (repeatable)")
     ap.add_argument("--floor", action="store_true", help="also bench/relay_floor.py, a plain TCP pipe on uvloop")
+    ap.add_argument("--python-core", action="store_true",
+                    help="also this prefill-gate with relay_core python (beside the compiled core)")
     ap.add_argument("--baseline-commit", action="append", default=[],
                     help="a baseline's commit, where its DIR is a copy without .git (repeatable, in the "
                          "order of --baseline)")
@@ -272,6 +274,10 @@ def main(argv=None) -> int:
         vr = stack.enter_context(router(args.router, up.url, relay_cpus))
         targets = {"direct": (up.url, None), "prefill-gate": (gate.url, gate.proc.pid),
                    "vllm-router": (vr.url, vr.proc.pid)}
+        if args.python_core:
+            proxy = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning",
+                                                "--relay-core", "python", name="python-core", cpus=relay_cpus))
+            targets["prefill-gate (python core)"] = (proxy.url, proxy.proc.pid)
         for b in baselines:
             proxy = stack.enter_context(Service("serve", "--upstream", up.url, "--log-level", "warning",
                                                 name="baseline", cpus=relay_cpus, cwd=b["dir"]))
@@ -312,7 +318,7 @@ def main(argv=None) -> int:
                                "ttft_samples": args.ttft_samples, "rounds": args.rounds,
                                "relay_cpus": sorted(relay_cpus or []),
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
-                               "router": args.router, "floor": args.floor, "baselines": baselines,
+                               "router": args.router, "floor": args.floor, "python_core": args.python_core, "baselines": baselines,
                                "baseline": baselines[0] if baselines else None,
                                "cpu_over_router": ratios, "goals": goals, "rows": rows, **environment()})
     return 0

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from conftest import RELAY_CORES, compiled_core
 from proxy.bench.overhead import load_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,17 +72,21 @@ def test_a_load_process_measures_with_its_cycle_collector_off(monkeypatch):
     assert gc.isenabled()
 
 
-def test_relay_read_times_reads_that_went_all_the_way_through():
+@pytest.mark.parametrize("core", RELAY_CORES)
+def test_relay_read_times_reads_that_went_all_the_way_through(core):
     """bench/relay_read.py: the reads it times reach the client's transport and are counted
-    by their streams, or it fails (a writer that is not ready leaves them queued)."""
+    by their streams, or it fails (a writer that is not ready leaves them queued); with
+    either relay core."""
     import asyncio
 
+    if core == "compiled":
+        compiled_core()
     bench = _bench("relay_read")
-    assert asyncio.run(bench._per_read(3, 2, 30)) > 0
+    assert asyncio.run(bench._per_read(3, 2, 30, core)) > 0
     bench._Flow.write_paused = True
     try:
         with pytest.raises(SystemExit, match="did not pass what it was fed"):
-            asyncio.run(bench._per_read(2, 1, 10))
+            asyncio.run(bench._per_read(2, 1, 10, core))
     finally:
         bench._Flow.write_paused = False
 
@@ -91,9 +96,11 @@ def test_relay_read_records_every_case_against_a_baseline(tmp_path):
 
     out = tmp_path / "read.json"
     _bench("relay_read").main(["--streams", "1,2", "--events", "1,3", "--rounds", "2", "--reads", "20",
-                               "--baseline", str(ROOT), "--baseline-commit", "same", "--json", str(out)])
+                               "--cores", "python", "--baseline", str(ROOT), "--baseline-commit", "same",
+                               "--json", str(out)])
     record = json.loads(out.read_text())
     cases = {(r["target"], r["streams"], r["events"]) for r in record["rows"]}
+    assert {t for t, _, _ in cases} == {"prefill-gate (python core)", "prefill-gate@same"}
     assert len(cases) == 8 and all(len(r["samples_us"]) == 2 and r["us_min"] > 0 for r in record["rows"])
     assert record["baseline"]["commit"] == "same" and "git_commit" in record
 
