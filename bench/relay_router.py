@@ -202,6 +202,26 @@ def cpu_ratios(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+def cpu_over_run(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per level, the whole run's figure: every relay's CPU seconds over its chunks, summed
+    over the rounds that measured vllm-router too, over vllm-router's (the goal's "measured
+    in one run"; ``cpu_ratios`` gives each round's)."""
+    sums: dict[tuple, list[float]] = {}
+    rounds_with_router = {(r["level"], r["round"]) for r in rows
+                          if r["target"] == "vllm-router" and r.get("cpu_s") is not None}
+    for r in rows:
+        if (r["level"], r["round"]) in rounds_with_router and r.get("cpu_s") is not None:
+            total = sums.setdefault((r["level"], r["target"]), [0.0, 0])
+            total[0] += r["cpu_s"]
+            total[1] += r["chunks"]
+    out: dict[str, dict[str, float]] = {}
+    for (lvl, target), (cpu, chunks) in sums.items():
+        router = sums.get((lvl, "vllm-router"))
+        if target != "vllm-router" and router and router[0] and chunks:
+            out.setdefault(lvl, {})[target] = round((cpu / chunks) / (router[0] / router[1]), 3)
+    return out
+
+
 def goals_met(figures: list[dict]) -> list[dict]:
     """Each of ``GOALS`` per relay: in how many of its rounds at the goal's levels it held,
     with the range of the figure (every round, the misses with the hits)."""
@@ -303,6 +323,11 @@ def main(argv=None) -> int:
     print("\nrelay CPU per chunk over vllm-router's, per round:")
     for lvl, per in ratios.items():
         print(f"  {lvl}: " + "; ".join(f"{t} {min(v):.2f}-{max(v):.2f}x ({', '.join(map(str, v))})" for t, v in per.items()))
+    run = cpu_over_run(rows)
+    if run:
+        print("over the whole run (CPU seconds over chunks, summed over the rounds):")
+        for lvl, per in run.items():
+            print(f"  {lvl}: " + "; ".join(f"{t} {v:.2f}x" for t, v in per.items()))
     goals = goals_met(against_direct(rows))
     if goals:
         print("\nissue 27's goals, rounds met (every round's figure, min-max):")
@@ -318,9 +343,10 @@ def main(argv=None) -> int:
                                "ttft_samples": args.ttft_samples, "rounds": args.rounds,
                                "relay_cpus": sorted(relay_cpus or []),
                                "load_procs": args.load_procs, "upstream_procs": args.upstream_procs,
-                               "router": args.router, "floor": args.floor, "python_core": args.python_core, "baselines": baselines,
-                               "baseline": baselines[0] if baselines else None,
-                               "cpu_over_router": ratios, "goals": goals, "rows": rows, **environment()})
+                               "router": args.router, "floor": args.floor, "python_core": args.python_core,
+                               "baselines": baselines, "baseline": baselines[0] if baselines else None,
+                               "cpu_over_router": ratios, "cpu_over_router_run": run, "goals": goals, "rows": rows,
+                               **environment()})
     return 0
 
 

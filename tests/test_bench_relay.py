@@ -230,6 +230,23 @@ def test_issue_27s_goals_are_counted_per_round_against_the_same_rounds_rows():
     assert not [g for g in rr.goals_met(rr.against_direct(old)) if g["goal"].startswith("gap")]
 
 
+def test_the_runs_cpu_figure_sums_the_rounds_that_measured_the_router():
+    """relay_router's whole-run CPU figure: CPU seconds over chunks summed over the rounds,
+    over vllm-router's summed alike; a round without vllm-router (or without CPU) counts for
+    no one."""
+    rr = _bench("relay_router")
+
+    def row(rnd, target, cpu_s, chunks=1000):
+        return {"level": "32x5", "round": rnd, "target": target, "cpu_s": cpu_s, "chunks": chunks}
+
+    rows = [row(1, "direct", None), row(1, "vllm-router", 0.030), row(1, "prefill-gate", 0.045),  # 1.5x
+            row(2, "direct", None), row(2, "vllm-router", 0.020, 2000), row(2, "prefill-gate", 0.025, 2000),
+            row(3, "prefill-gate", 9.0)]  # no router in round 3: left out
+    # prefill-gate: 0.070 s / 3000 chunks; vllm-router: 0.050 s / 3000 chunks
+    assert rr.cpu_over_run(rows) == {"32x5": {"prefill-gate": 1.4}}
+    assert rr.cpu_over_run([r for r in rows if r["target"] != "vllm-router"]) == {}
+
+
 def test_a_ramp_keeps_going_while_either_criterion_is_live_and_gives_a_ceiling_by_each(monkeypatch):
     """relay_scale's ceiling by delay p99 and by gap p99 (the issue's wording), from one ramp:
     a relay is asked again while either has not missed twice in a row."""
