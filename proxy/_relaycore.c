@@ -14,8 +14,9 @@
      DirectRelay(cycle, observer)(data) -> bool
          exactly ``ChunkWriter(cycle).write_through(observer.take, data)`` (proxy/listener.py,
          proxy/relay.py): False, with nothing taken, while uvicorn's ``send`` has more to
-         do than write a body part; else the read observed and written, and True. A plain
-         read is counted with ``observer.counted(n)``; any other goes to ``observer.take``.
+         do than write a body part; else the read observed and written, and True. As
+         ``take`` does: a plain read is counted with ``observer.counted(n)``, any other cut by
+         the observer's splitter and filtered (``observer.filter(splitter.feed(data))``).
 
    DirectRelay tests bytes only; any other read (none comes from proxy/fasthttp.py) goes to
    ``observer.take``, which treats it as Python would. */
@@ -26,7 +27,7 @@
 #include <string.h>
 
 static PyObject *s_response_started, *s_chunked_encoding, *s_response_complete, *s_disconnected, *s_flow,
-    *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_counted, *s_take;
+    *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_counted, *s_take, *s_feed, *s_filter;
 
 static const char EVENT_HEAD[] = "data: {";        /* how a plain content event starts */
 static const char EVENT_JOIN[] = "\n\ndata: {";    /* the seam between two of them in one read */
@@ -177,29 +178,30 @@ relay_call(DirectRelay *self, PyObject *data)
     if (ready <= 0)
         return ready < 0 ? NULL : Py_NewRef(Py_False);
     PyObject *body;
-    Py_ssize_t n = 0;
-    if (PyBytes_CheckExact(data)) {
+    if (!PyBytes_CheckExact(data)) {
+        body = PyObject_CallMethodOneArg(self->observer, s_take, data);
+    } else {
+        /* StreamObserver.take, its two ways: a plain read counted, any other cut and filtered. */
         int under_way = observer_under_way(self->observer, self->splitter);
         if (under_way < 0)
             return NULL;
-        if (under_way)
-            n = count_plain(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
+        Py_ssize_t n = under_way ? count_plain(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data)) : 0;
+        if (n > 0) {
+            PyObject *count = PyLong_FromSsize_t(n);
+            PyObject *r = count == NULL ? NULL : PyObject_CallMethodOneArg(self->observer, s_counted, count);
+            Py_XDECREF(count);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+            body = Py_NewRef(data);
+        } else {
+            PyObject *events = PyObject_CallMethodOneArg(self->splitter, s_feed, data);
+            body = events == NULL ? NULL : PyObject_CallMethodOneArg(self->observer, s_filter, events);
+            Py_XDECREF(events);
+        }
     }
-    if (n > 0) {
-        PyObject *count = PyLong_FromSsize_t(n);
-        if (count == NULL)
-            return NULL;
-        PyObject *r = PyObject_CallMethodOneArg(self->observer, s_counted, count);
-        Py_DECREF(count);
-        if (r == NULL)
-            return NULL;
-        Py_DECREF(r);
-        body = Py_NewRef(data);
-    } else {
-        body = PyObject_CallMethodOneArg(self->observer, s_take, data);
-        if (body == NULL)
-            return NULL;
-    }
+    if (body == NULL)
+        return NULL;
     int nonempty = PyObject_IsTrue(body);
     if (nonempty > 0) {
         PyObject *out = framed(body);
@@ -322,7 +324,7 @@ intern_names(void)
         {&s_response_complete, "response_complete"}, {&s_disconnected, "disconnected"}, {&s_flow, "flow"},
         {&s_write_paused, "write_paused"}, {&s_transport, "transport"}, {&s_write, "write"},
         {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_counted, "counted"},
-        {&s_take, "take"},
+        {&s_take, "take"}, {&s_feed, "feed"}, {&s_filter, "filter"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)

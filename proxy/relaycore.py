@@ -6,7 +6,8 @@ observed and written to the client's socket there, without waking the request's 
 Python that callback is ``ChunkWriter.write_through`` over ``StreamObserver.take``: the
 client side's readiness, the test for a read of plain content chunks (``relay.plain_events``),
 the chunk's framing and the write. ``proxy/_relaycore.c`` runs the same in one compiled call
-(the observer's bookkeeping stays Python: ``StreamObserver.counted`` and ``take``); what that
+(the observer's bookkeeping stays Python: ``StreamObserver.counted``, and its splitter and
+``filter`` for a read that is not plain content); what that
 saves a read and a chunk is measured in ``docs/RESULTS.md`` 3l (``bench/relay_read.py``,
 ``bench/relay_router.py --python-core``). The two behave alike to the byte
 (``tests/test_relaycore.py``).

@@ -134,7 +134,14 @@ def test_direct_relay_at_the_edges_of_events(core, reads):
 
 
 def _never(data):
-    raise AssertionError("take called while the client's side was not ready")
+    raise AssertionError("observed while the client's side was not ready")
+
+
+def _observer_giving(out):
+    """A stand-in observer whose general path gives ``out(data)``: ``take``, and its splitter's
+    ``feed`` then ``filter``, alike."""
+    return types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b"", feed=lambda d: [d]),
+                                 filter=lambda events: out(b"".join(events)), take=out)
 
 
 @pytest.mark.parametrize("fields", list(itertools.product([False, True], [False, True, "maybe"], [False, True],
@@ -148,21 +155,22 @@ def test_direct_relay_is_ready_exactly_when_write_through_is(core, fields):
     cycle = _cycle(written, response_started=started, chunked_encoding=chunked, response_complete=complete,
                    disconnected=disconnected, paused=paused)
     ready = started and chunked is True and not complete and not disconnected and not paused
-    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""),
-                                     take=bytes.upper if ready else _never)
+    observer = _observer_giving(bytes.upper if ready else _never)
     assert core.DirectRelay(cycle, observer)(b"abc") is ready
     assert written == ([b"3\r\nABC\r\n"] if ready else [])
 
 
 def test_direct_relay_writes_nothing_for_nothing_and_frames_any_bytes_like(core):
+    """Bytes go the observer's general path (splitter, filter); any other read goes to ``take``;
+    whatever bytes-like answer comes back is framed."""
     written = []
     cycle = _cycle(written)
-    for take, expect in [(lambda d: b"", []), (lambda d: bytearray(b"xy"), [b"2\r\nxy\r\n"]),
-                         (lambda d: memoryview(b"z" * 300), [b"12c\r\n" + b"z" * 300 + b"\r\n"])]:
-        written.clear()
-        observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=take)
-        assert core.DirectRelay(cycle, observer)(b"data") is True
-        assert written == expect
+    for out, expect in [(lambda d: b"", []), (lambda d: bytearray(b"xy"), [b"2\r\nxy\r\n"]),
+                        (lambda d: memoryview(b"z" * 300), [b"12c\r\n" + b"z" * 300 + b"\r\n"])]:
+        for read in (b"data", bytearray(b"data")):
+            written.clear()
+            assert core.DirectRelay(cycle, _observer_giving(out))(read) is True
+            assert written == expect
 
 
 def test_direct_relay_raises_what_its_callbacks_raise(core):
@@ -174,12 +182,17 @@ def test_direct_relay_raises_what_its_callbacks_raise(core):
     def refuse(data):
         raise OSError("socket gone")
 
-    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=boom)
-    with pytest.raises(ValueError, match="observer failed"):
+    observer = _observer_giving(boom)
+    with pytest.raises(ValueError, match="observer failed"):  # from filter
+        core.DirectRelay(_cycle([]), observer)(b"x")
+    with pytest.raises(ValueError, match="observer failed"):  # from take
+        core.DirectRelay(_cycle([]), observer)(bytearray(b"x"))
+    observer.splitter.feed = boom
+    with pytest.raises(ValueError, match="observer failed"):  # from the splitter
         core.DirectRelay(_cycle([]), observer)(b"x")
     cycle = _cycle([])
     cycle.transport.write = refuse
-    observer.take = bytes
+    observer = _observer_giving(bytes)
     with pytest.raises(OSError, match="socket gone"):
         core.DirectRelay(cycle, observer)(b"x")
     under_way = StreamObserver(lambda: None, lambda gap, n: boom(None))
@@ -192,7 +205,7 @@ def test_direct_relay_raises_what_its_callbacks_raise(core):
 
 
 def test_direct_relay_refuses_wrong_arguments(core):
-    observer = types.SimpleNamespace(first_at=None, splitter=types.SimpleNamespace(held=b""), take=bytes)
+    observer = _observer_giving(bytes)
     with pytest.raises(TypeError):
         core.DirectRelay(_cycle([]))
     with pytest.raises(AttributeError):  # a cycle without a flow or transport
