@@ -114,7 +114,7 @@ def writes(request, monkeypatch):
     wrote from the read callback (the callback took them)."""
     if request.param == "compiled":
         compiled_core()
-    count = {"n": 0, "core": request.param}
+    count = {"n": 0}
 
     def factory(choice):
         make, name = relaycore.relay_factory(request.param)
@@ -228,7 +228,7 @@ async def test_the_direct_path_leaves_no_reference_cycles(core):
     state = make_state(upstreams=[url], relay_core=core)
     kinds = (GatedExchange, DisconnectWatch, StreamObserver, _ResponseStream, listener.ChunkWriter)
     if core == "compiled":
-        kinds += (compiled_core().DirectRelay,)  # (after the import above: it skips where not built)
+        kinds += (compiled_core().DirectRelay,)
     async with server, serve(create_app(state, health_checks=False)) as proxy:
         assert dechunk(await post_raw(proxy, "/v1/chat/completions", CHAT)) == stream  # warm
         await asyncio.sleep(0.05)
