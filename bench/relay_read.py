@@ -107,7 +107,7 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
     from proxy.app import build_state
     from proxy.estimate import Estimate
     from proxy.exchange import GatedExchange, GatedRequest
-    from proxy.fasthttp import _Connection
+    from proxy import fasthttp
     from proxy.gate import Lease
     from proxy.listener import ChunkWriter
     from proxy.relay import SSESplitter, StreamObserver
@@ -126,13 +126,17 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
         exchange.lease = Lease(state.gate, ticket)
         observer = exchange.observer = StreamObserver(exchange._first_content, exchange._tokens, drop_usage=True)
         splitter, writer = SSESplitter(), ChunkWriter(_Cycle())
-        conn = _Connection(("http", "upstream.invalid", 8000))
+        sink = _direct(writer, observer, splitter, core)
+        # The connection the app opens for this sink: one that hands it whole chunks where
+        # it takes them (the compiled core, 2026-12-03 on), else the parser's.
+        framed = getattr(fasthttp, "FramedConnection", None) if hasattr(sink, "chunked") else None
+        conn = (framed or fasthttp._Connection)(("http", "upstream.invalid", 8000))
         conn.connection_made(_Transport())
         conn._loop, conn._wait_timeout = loop, 600.0
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         conn.waiter = loop.create_future()
         conn._timer = loop.call_at(loop.time() + 600, lambda: None)
-        conn.sink = _direct(writer, observer, splitter, core)
+        conn.sink, conn.sink_chunked = sink, getattr(sink, "chunked", None)
         conn.data_received(_wire(EVENT))  # the first content: the stream is under way
         conns.append(conn)
         observers.append(observer)

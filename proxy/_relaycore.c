@@ -5,18 +5,29 @@
    frame it and write it. In Python that is half a dozen bytes-method calls and three
    frames a read, about 40% of the Python a read costs (bench/relay_read.py, docs/RESULTS.md
    3l). This module does the same in one call. It decides nothing of its own: every rule is the
-   Python code's, and tests/test_relaycore.py holds the two equal.
+   Python code's or the HTTP parser's, and tests/test_relaycore.py holds them equal.
 
      plain_events(data) -> int
          StreamObserver.take's test (proxy/relay.py, plain_events): how many one-line
          content events ``data`` is exactly, or 0 where the read needs the general path.
 
+     chunk_payloads(data) -> bytes | None
+         where ``data`` is exactly whole chunks of a chunked HTTP body, none of them the
+         last, their payloads joined; else None. A strict subset of what the parser
+         (httptools' llhttp) reads from between two chunks, to the same bytes.
+
      DirectRelay(cycle, observer)(data) -> bool
          exactly ``ChunkWriter(cycle).write_through(observer.take, data)`` (proxy/listener.py,
          proxy/relay.py): False, with nothing taken, while uvicorn's ``send`` has more to
          do than write a body part; else the read observed and written, and True. As
-         ``take`` does: a plain read is counted with ``observer.counted(n)``, any other cut by
-         the observer's splitter and filtered (``observer.filter(splitter.feed(data))``).
+         ``take`` does: a plain read is counted as ``observer.counted(n)`` counts it (here,
+         step for step), any other cut by the observer's splitter and filtered
+         (``observer.filter(splitter.feed(data))``).
+
+     DirectRelay.chunked(wire) -> None | True | bytes
+         the same for a read of the upstream connection's wire where it is whole chunks
+         (proxy/fasthttp.py, FramedConnection): None, nothing done, where it is not; True
+         taken; the payloads, untouched, where the client's side was not ready.
 
    DirectRelay tests bytes only; any other read (none comes from proxy/fasthttp.py) goes to
    ``observer.take``, which treats it as Python would. */
@@ -27,7 +38,8 @@
 #include <string.h>
 
 static PyObject *s_response_started, *s_chunked_encoding, *s_response_complete, *s_disconnected, *s_flow,
-    *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_counted, *s_take, *s_feed, *s_filter;
+    *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_take, *s_feed, *s_filter,
+    *s_clock, *s_tokens, *s_last_at, *s_on_tokens;
 
 static const char EVENT_HEAD[] = "data: {";        /* how a plain content event starts */
 static const char EVENT_JOIN[] = "\n\ndata: {";    /* the seam between two of them in one read */
@@ -86,6 +98,85 @@ plain_events(PyObject *module, PyObject *data)
     Py_ssize_t n = count_plain(view.buf, view.len);
     PyBuffer_Release(&view);
     return PyLong_FromSsize_t(n);
+}
+
+/* ------------------------------------------------------------- chunked frames */
+
+static int
+hex_digit(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* The most hex digits a chunk size may have here: its value stays far from size_t's limit. */
+#define MAX_SIZE_DIGITS ((Py_ssize_t)(2 * sizeof(size_t) - 1))
+
+/* The payloads of ``p[0:n]`` where it is exactly one or more whole chunks of a chunked body
+   and none is the last: each ``<hex size>\r\n<size bytes>\r\n``, the size above 0 and
+   without an extension or whitespace; the payloads joined, as a new bytes object. Anything
+   else (a chunk cut by the read, the last chunk, an extension, a leading or trailing byte
+   out of place) is Py_None, a new reference: the read goes to the HTTP parser whole. Every
+   read this accepts, the parser (llhttp) accepts alike and leaves where it started, between
+   two chunks (tests/test_relaycore.py). */
+static PyObject *
+payloads_of(const char *p, Py_ssize_t n)
+{
+    Py_ssize_t pos = 0, total = 0, frames = 0;
+    while (pos < n) {
+        size_t size = 0;
+        Py_ssize_t digits = 0;
+        int v;
+        while (pos + digits < n && (v = hex_digit(p[pos + digits])) >= 0) {
+            if (++digits > MAX_SIZE_DIGITS)
+                Py_RETURN_NONE;
+            size = size * 16 + (size_t)v;
+        }
+        if (digits == 0 || size == 0)
+            Py_RETURN_NONE;
+        pos += digits;
+        if (n - pos < 2 || p[pos] != '\r' || p[pos + 1] != '\n')
+            Py_RETURN_NONE;
+        pos += 2;
+        if ((size_t)(n - pos) < size + 2)
+            Py_RETURN_NONE;
+        pos += (Py_ssize_t)size;
+        if (p[pos] != '\r' || p[pos + 1] != '\n')
+            Py_RETURN_NONE;
+        pos += 2;
+        total += (Py_ssize_t)size;
+        frames++;
+    }
+    if (frames == 0)
+        Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        return NULL;
+    char *q = PyBytes_AS_STRING(out);
+    for (pos = 0; pos < n;) {  /* the frames were checked above: sizes and CRLFs only */
+        size_t size = 0;
+        while (p[pos] != '\r')
+            size = size * 16 + (size_t)hex_digit(p[pos++]);
+        memcpy(q, p + pos + 2, size);
+        q += size;
+        pos += 2 + (Py_ssize_t)size + 2;
+    }
+    return out;
+}
+
+static PyObject *
+chunk_payloads(PyObject *module, PyObject *data)
+{
+    if (!PyBytes_Check(data)) {
+        PyErr_Format(PyExc_TypeError, "chunk_payloads takes bytes, not %.100s", Py_TYPE(data)->tp_name);
+        return NULL;
+    }
+    return payloads_of(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
 }
 
 /* -------------------------------------------------------------------- DirectRelay */
@@ -150,6 +241,38 @@ observer_under_way(PyObject *observer, PyObject *splitter)
     return held < 0 ? -1 : !held;
 }
 
+/* StreamObserver.counted(n), step for step: the clock read once, ``tokens`` raised by n,
+   ``on_tokens(now - last_at, n)``, ``last_at`` moved to now. 0, or -1 with an exception set. */
+static int
+counted(PyObject *observer, Py_ssize_t n)
+{
+    int rc = -1;
+    PyObject *clock = NULL, *now = NULL, *count = NULL, *tokens = NULL, *total = NULL, *last_at = NULL,
+             *gap = NULL, *on_tokens = NULL, *r = NULL;
+    if ((clock = PyObject_GetAttr(observer, s_clock)) == NULL || (now = PyObject_CallNoArgs(clock)) == NULL
+        || (count = PyLong_FromSsize_t(n)) == NULL || (tokens = PyObject_GetAttr(observer, s_tokens)) == NULL
+        || (total = PyNumber_InPlaceAdd(tokens, count)) == NULL || PyObject_SetAttr(observer, s_tokens, total) < 0
+        || (on_tokens = PyObject_GetAttr(observer, s_on_tokens)) == NULL
+        || (last_at = PyObject_GetAttr(observer, s_last_at)) == NULL
+        || (gap = PyNumber_Subtract(now, last_at)) == NULL)
+        goto done;
+    PyObject *args[2] = {gap, count};
+    if ((r = PyObject_Vectorcall(on_tokens, args, 2, NULL)) == NULL || PyObject_SetAttr(observer, s_last_at, now) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(clock);
+    Py_XDECREF(now);
+    Py_XDECREF(count);
+    Py_XDECREF(tokens);
+    Py_XDECREF(total);
+    Py_XDECREF(last_at);
+    Py_XDECREF(gap);
+    Py_XDECREF(on_tokens);
+    Py_XDECREF(r);
+    return rc;
+}
+
 /* b"%x\r\n%s\r\n" % (len(body), body), for any bytes-like body. */
 static PyObject *
 framed(PyObject *body)
@@ -187,12 +310,8 @@ relay_call(DirectRelay *self, PyObject *data)
             return NULL;
         Py_ssize_t n = under_way ? count_plain(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data)) : 0;
         if (n > 0) {
-            PyObject *count = PyLong_FromSsize_t(n);
-            PyObject *r = count == NULL ? NULL : PyObject_CallMethodOneArg(self->observer, s_counted, count);
-            Py_XDECREF(count);
-            if (r == NULL)
+            if (counted(self->observer, n) < 0)
                 return NULL;
-            Py_DECREF(r);
             body = Py_NewRef(data);
         } else {
             PyObject *events = PyObject_CallMethodOneArg(self->splitter, s_feed, data);
@@ -225,6 +344,33 @@ relay_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject 
     }
     return relay_call((DirectRelay *)self, args[0]);
 }
+
+static PyObject *
+relay_chunked(DirectRelay *self, PyObject *data)
+{
+    if (!PyBytes_Check(data)) {
+        PyErr_Format(PyExc_TypeError, "chunked takes bytes, not %.100s", Py_TYPE(data)->tp_name);
+        return NULL;
+    }
+    PyObject *body = payloads_of(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
+    if (body == NULL || body == Py_None)
+        return body;
+    PyObject *taken = relay_call(self, body);
+    if (taken != Py_False) {  /* taken (True), or an error (NULL) */
+        Py_DECREF(body);
+        return taken;
+    }
+    Py_DECREF(taken);
+    return body;
+}
+
+static PyMethodDef relay_methods[] = {
+    {"chunked", (PyCFunction)relay_chunked, METH_O,
+     "chunked(data: bytes) -> None | True | bytes: where ``data`` is whole chunks of a chunked body "
+     "(chunk_payloads), their payloads relayed as self(payloads) would: True taken, else the "
+     "payloads, left for the caller to queue; None: not whole chunks, nothing done."},
+    {NULL, NULL, 0, NULL},
+};
 
 static int
 relay_init(DirectRelay *self, PyObject *args, PyObject *kwargs)
@@ -303,11 +449,15 @@ static PyTypeObject DirectRelayType = {
     .tp_traverse = (traverseproc)relay_traverse,
     .tp_clear = (inquiry)relay_clear,
     .tp_dealloc = (destructor)relay_dealloc,
+    .tp_methods = relay_methods,
 };
 
 static PyMethodDef module_methods[] = {
     {"plain_events", plain_events, METH_O,
      "plain_events(data: bytes) -> int: how many one-line content events the read is exactly, or 0."},
+    {"chunk_payloads", chunk_payloads, METH_O,
+     "chunk_payloads(data: bytes) -> bytes | None: the payloads where data is exactly whole chunks of a "
+     "chunked body, none the last; else None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -323,8 +473,9 @@ intern_names(void)
         {&s_response_started, "response_started"}, {&s_chunked_encoding, "chunked_encoding"},
         {&s_response_complete, "response_complete"}, {&s_disconnected, "disconnected"}, {&s_flow, "flow"},
         {&s_write_paused, "write_paused"}, {&s_transport, "transport"}, {&s_write, "write"},
-        {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_counted, "counted"},
-        {&s_take, "take"}, {&s_feed, "feed"}, {&s_filter, "filter"},
+        {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_take, "take"},
+        {&s_feed, "feed"}, {&s_filter, "filter"}, {&s_clock, "clock"}, {&s_tokens, "tokens"},
+        {&s_last_at, "last_at"}, {&s_on_tokens, "on_tokens"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)

@@ -117,6 +117,7 @@ def build_state(
                           max_gap_s=settings.max_gap_ms / 1000, min_slice_tokens=settings.min_slice_tokens,
                           max_slice_tokens=settings.max_slice_tokens, slice_idle=settings.slice_when_idle,
                           wait_bound_s=settings.max_queue_wait)
+    direct_relay, relay_core = relay_factory(settings.relay_core)
     client = UpstreamClient(
         settings.upstreams,
         connect_timeout=settings.connect_timeout,
@@ -127,6 +128,7 @@ def build_state(
         transport=transport,
         max_head_bytes=settings.max_upstream_head_bytes,
         max_headers=settings.max_upstream_headers,
+        framed=relay_core == "compiled",  # its read callback takes whole chunks unparsed (fasthttp.body_sink)
     )
     state_ref: list[AppState] = []
     estimator = Estimator(
@@ -141,7 +143,7 @@ def build_state(
                      Routing(settings.upstreams, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
                      predictor=predictor, bodies=body_reader(settings))
-    state.direct_relay, state.relay_core = relay_factory(settings.relay_core)
+    state.direct_relay, state.relay_core = direct_relay, relay_core
     policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)

@@ -23,6 +23,10 @@ What it does and does not do:
   * A request on a reused connection that the server closed before answering is sent
     again once on a fresh connection (the server closed an idle keep-alive; nothing of
     the request was processed).
+  * Where the relay's sink takes them (the compiled core's), a chunked body's reads that are
+    nothing but whole chunks skip the parser (``FramedConnection``): the parser's Python
+    callbacks were two of the per-read path's seven Python calls. Everything else, the
+    last chunk included, is the parser's.
   * No proxies from the environment, no HTTP/2, no request body streaming beyond
     reading it whole (the proxy's bodies are bounded by max_body_bytes).
 """
@@ -98,7 +102,13 @@ def body_sink(resp: httpx.Response | Answer, sink) -> bool:
     while the reader is parked in ``read()`` with nothing queued (so bytes keep their order):
     the relay's per-chunk path without a task switch. ``sink`` answers False to leave the
     bytes queued for ``read()`` (it could not take them now); an exception it raises ends
-    the body with that error at ``read()``. False: the response is not this transport's."""
+    the body with that error at ``read()``. False: the response is not this transport's.
+
+    A sink with a ``chunked(read) -> None | True | bytes`` method (the compiled relay's,
+    ``proxy._relaycore.DirectRelay``) is offered a chunked body's reads before the HTTP
+    parser, where the connection is between two chunks (``FramedConnection``): a read that
+    is nothing but whole chunks it decodes and relays itself (True: taken; bytes: the
+    payloads, not taken, queued for ``read()``); None leaves the read to the parser."""
     set_sink = resp.extensions.get(BODY_SINK)
     if set_sink is None:
         return False
@@ -144,6 +154,10 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.waiter: asyncio.Future | None = None
         self.sink = None  # callable(bytes) -> bool: see body_sink
+        self.sink_chunked = None  # the sink's ``chunked``, where it has one (see body_sink)
+        # Between two chunks of a chunked body, past the head, the answer not complete: a read
+        # here may be whole chunks (FramedConnection's callbacks keep it; never True here).
+        self.at_boundary = False
         self._deadline = 0.0  # of the current wait (loop time)
 
     # ---------------------------------------------------------- asyncio.Protocol
@@ -151,6 +165,24 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.at_boundary and self.sink_chunked is not None and not self.chunks \
+                and (w := self.waiter) is not None and not w.done():
+            # The reader is parked, nothing queued: whole chunks go to the sink, unparsed.
+            try:
+                taken = self.sink_chunked(data)
+            except Exception as exc:
+                self._sink_failed(exc)
+                self._wake()
+                return
+            if taken is True:
+                if self._timer is not None:  # bytes came: the read deadline moves (as in _to_sink)
+                    self._deadline = self._loop.time() + self._wait_timeout
+                return
+            if taken is not None:  # whole chunks, their payloads left for the reader
+                self.chunks.append(taken)
+                self.buffered += len(taken)
+                self._hand_over()
+                return
         if not self.in_use or self.complete:
             # Unasked-for bytes (a second answer on a pooled keep-alive, or after this one's
             # end) belong to no request: never hand this connection out again.
@@ -172,13 +204,11 @@ class _Connection(asyncio.Protocol):
         if self.sink is not None and self.chunks and self.error is None and self.waiter is not None \
                 and not self.waiter.done() and not self._to_sink():
             return  # taken in this callback; the reader waits on
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
+        self._hand_over()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.at_boundary = False
         self._stop_timer()
         # The parser holds this connection's callbacks, this connection the parser: a
         # reference cycle per closed connection (an abort, an error, an idle expiry) until a
@@ -203,11 +233,8 @@ class _Connection(asyncio.Protocol):
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # (_queued, inline: per read)
         try:
             taken = self.sink(data)
-        except Exception as exc:  # the reader raises it; the connection is not reused
-            self.sink = None
-            self.chunks.clear()
-            self.buffered = 0
-            self._fail(exc)
+        except Exception as exc:
+            self._sink_failed(exc)
             return True
         if not taken:
             return True
@@ -250,11 +277,26 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.head_done:
             self.complete = True
+        self.at_boundary = False
 
     # ------------------------------------------------------------------- helpers
     def _fail(self, exc: Exception) -> None:
         self.error = exc
         self.close()
+
+    def _sink_failed(self, exc: Exception) -> None:
+        """The sink raised: the reader raises it; the connection is not reused."""
+        self.sink = self.sink_chunked = None
+        self.chunks.clear()
+        self.buffered = 0
+        self._fail(exc)
+
+    def _hand_over(self) -> None:
+        """Wake the reader for what is queued; past ``HIGH_WATER`` unread, stop reading."""
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
 
     def _wake(self) -> None:
         w = self.waiter
@@ -263,6 +305,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.at_boundary = False
         self._stop_timer()
         if self.transport is not None:
             self.transport.close()
@@ -320,6 +363,18 @@ class _Connection(asyncio.Protocol):
         return self.complete and not self.closed and self.error is None and self.keep_alive
 
 
+class FramedConnection(_Connection):
+    """A connection that knows where a chunked body's chunks begin (httptools' chunk
+    callbacks): between two of them, a parked reader's sink may take whole chunks without the
+    parser (``body_sink``). Only where the sink can (the compiled relay): the two callbacks
+    cost two Python calls a chunk the parser handles."""
+
+    def on_chunk_header(self) -> None:
+        self.at_boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self.at_boundary = True  # (after the last chunk, on_message_complete takes it back)
+
 
 class _ResponseStream(httpx.AsyncByteStream):
     def __init__(self, pool: FastTransport, conn: _Connection, read_timeout: float | None, no_body: bool) -> None:
@@ -356,13 +411,14 @@ class _ResponseStream(httpx.AsyncByteStream):
     def set_sink(self, sink) -> None:
         if not self._released:
             self._conn.sink = sink
+            self._conn.sink_chunked = getattr(sink, "chunked", None)
 
     async def aclose(self) -> None:
         if self._released:
             return
         self._released = True
         conn = self._conn
-        conn.sink = None  # a pooled connection keeps nothing of its last request
+        conn.sink = conn.sink_chunked = None  # a pooled connection keeps nothing of its last request
         if self._done and conn.reusable():
             self._pool._give_back(conn)
         else:  # unread body: closing the connection is the abort signal upstream
@@ -375,8 +431,11 @@ class FastTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, max_connections: int = 4096, max_idle_per_origin: int = 256,
                  keepalive_expiry: float = 4.0, ssl_context: ssl.SSLContext | None = None,
-                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
+                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS,
+                 framed: bool = False) -> None:
         self._head_limits = (max_head_bytes, max_headers)
+        # FramedConnection where the relay's sinks take whole chunks (the compiled core's)
+        self._connection = FramedConnection if framed else _Connection
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._idle: dict[tuple, collections.deque[_Connection]] = {}
         self._max_idle = max_idle_per_origin
@@ -459,7 +518,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             ctx = self._ssl or ssl.create_default_context()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(origin, *self._head_limits), host, port, ssl=ctx,
+                loop.create_connection(lambda: self._connection(origin, *self._head_limits), host, port, ssl=ctx,
                                        server_hostname=host if ctx else None),
                 connect_timeout)
         except asyncio.TimeoutError:

@@ -31,7 +31,7 @@ class Lease:
         self.ticket = ticket
         # Read per upstream read of the stream: its upstream's state, found once (again on a
         # reroute), and whether its gaps feed the closed loop at all.
-        self._state = gate.policy.upstreams[ticket.upstream]
+        self.upstream_state = gate.policy.upstreams[ticket.upstream]
         self.closed_loop = ticket.protected and gate.policy.limits.itl_slo is not None
 
     @property
@@ -48,7 +48,7 @@ class Lease:
         admitted = self._gate.policy.reroute(self.ticket, tried)
         if admitted is None:
             return False
-        self._state = self._gate.policy.upstreams[self.ticket.upstream]
+        self.upstream_state = self._gate.policy.upstreams[self.ticket.upstream]
         self._gate._wake(admitted)  # the slot it left may start a queued request
         return True
 
@@ -58,14 +58,14 @@ class Lease:
         the gate wakes only when a window moved the budget."""
         if not self.closed_loop:
             return
-        up = self._state
+        up = self.upstream_state
         budget = up.budget_tokens
         admitted = self._gate.policy.observe_itl(up.name, seconds, n)
         if admitted or up.budget_tokens != budget:
             self._gate._wake(admitted)
 
     def large_prefill_in_flight(self) -> bool:
-        return self._state.large_in_flight > 0
+        return self.upstream_state.large_in_flight > 0
 
     @property
     def slicing(self) -> bool:

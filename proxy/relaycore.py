@@ -6,11 +6,13 @@ observed and written to the client's socket there, without waking the request's 
 Python that callback is ``ChunkWriter.write_through`` over ``StreamObserver.take``: the
 client side's readiness, the test for a read of plain content chunks (``relay.plain_events``),
 the chunk's framing and the write. ``proxy/_relaycore.c`` runs the same in one compiled call
-(the observer's bookkeeping stays Python: ``StreamObserver.counted``, and its splitter and
-``filter`` for a read that is not plain content); what that
-saves a read and a chunk is measured in ``docs/RESULTS.md`` 3l (``bench/relay_read.py``,
-``bench/relay_router.py --python-core``). The two behave alike to the byte
-(``tests/test_relaycore.py``).
+(``StreamObserver.counted``'s few steps included; the splitter and ``filter`` for a read
+that is not plain content stay Python), and, on the upstream connections the app then opens
+(``fasthttp.FramedConnection``), takes a read that is whole chunks of the chunked body
+without the HTTP parser. What that saves a read and a chunk is measured in
+``docs/RESULTS.md`` 3l and 3m (``bench/relay_read.py``, ``bench/relay_router.py
+--python-core``). The two behave alike to the byte (``tests/test_relaycore.py``,
+``tests/test_fasthttp.py``).
 
 Which one runs is the ``relay_core`` setting: ``auto`` (the compiled one where the install
 built it: ``pip install`` compiles it with a C compiler at hand, and goes on without one),

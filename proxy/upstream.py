@@ -167,6 +167,7 @@ class UpstreamClient:
         transport: httpx.AsyncBaseTransport | None = None,
         max_head_bytes: int = MAX_HEAD_BYTES,
         max_headers: int = MAX_HEADERS,
+        framed: bool = False,
     ):
         self.urls = list(urls)
         self.api_key = api_key
@@ -176,7 +177,7 @@ class UpstreamClient:
         # With our own transport, POSTs to plain paths (the gated endpoints, slices, token
         # ids) skip httpx's client and go to the transport from their parts (see _post_fast).
         self._fast = None if transport is not None else FastTransport(
-            max_connections=max_connections, max_head_bytes=max_head_bytes, max_headers=max_headers)
+            max_connections=max_connections, max_head_bytes=max_head_bytes, max_headers=max_headers, framed=framed)
         self._targets = {u: _Target.of(u) for u in self.urls}
         self._client = httpx.AsyncClient(
             timeout=timeout,

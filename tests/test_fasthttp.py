@@ -7,7 +7,9 @@ import contextlib
 
 import httpx
 import pytest
+from hypothesis import given, settings, strategies as st
 
+from conftest import compiled_core, make_state
 from proxy import fasthttp
 from proxy.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
 from proxy.fasthttp import FastTransport
@@ -370,10 +372,13 @@ async def test_the_gated_path_sends_the_same_head_as_httpx():
     assert b"accept" not in names and b"connection" not in names and b"x-prefill-gate-class" not in names
 
 
-async def test_bytes_taken_by_a_sink_move_the_read_deadline():
+@pytest.mark.parametrize("framed", [False, True])
+async def test_bytes_taken_by_a_sink_move_the_read_deadline(framed):
     """With a sink taking the bytes in the read callback, the reader stays parked: each
     delivery still counts as progress (a stream that flows longer than the read timeout
-    lives), and silence past it is still a ReadTimeout at read()."""
+    lives), and silence past it is still a ReadTimeout at read(). Alike where whole chunks
+    go past the parser (``framed``: a FramedConnection, a sink with ``chunked``)."""
+    core = compiled_core() if framed else None
 
     async def handler(reader, writer, srv):
         await read_request(reader)
@@ -384,10 +389,11 @@ async def test_bytes_taken_by_a_sink_move_the_read_deadline():
             await asyncio.sleep(0.1)
         await srv.event("done").wait()  # then silence
 
-    async with Server(handler) as srv, client(read=0.3) as c:
+    async with Server(handler) as srv, client(read=0.3, framed=framed) as c:
         async with c.stream("POST", srv.url + "/", content=b"{}") as resp:
             taken = []
-            assert fasthttp.body_sink(resp, lambda data: taken.append(data) or True)
+            sink = _Sink(core, [True], taken, framed)
+            assert fasthttp.body_sink(resp, sink)
             read = fasthttp.body_reader(resp)
             with pytest.raises(httpx.ReadTimeout):
                 got = []
@@ -395,6 +401,8 @@ async def test_bytes_taken_by_a_sink_move_the_read_deadline():
                     got.append(data)
             assert b"".join(got + taken) == b"".join(b"data: %d\n\n" % i for i in range(10))
             assert len(taken) >= 8  # all but what arrived before the reader first parked
+            if framed:
+                assert sink.whole >= 7  # (the first chunk complete before the reader parked: the parser's)
         srv.event("done").set()
 
 
@@ -458,3 +466,151 @@ async def test_upstream_connections_that_end_leave_no_reference_cycles(ending):
             gc.garbage.clear()
             await up.aclose()
     assert cyclic == []
+
+
+# ------------------------------------------------- whole chunks past the parser (FramedConnection)
+class _Sink:
+    """A relay's sink as the connection sees it: takes a read's body bytes or refuses them
+    (False: left queued), per ``answers`` in turn; with ``chunked`` (the compiled relay's
+    method, here over ``chunk_payloads``) where ``framed``."""
+
+    def __init__(self, core, answers: list[bool], out: list, framed: bool) -> None:
+        self.core, self.answers, self.out, self.calls, self.whole = core, answers, out, 0, 0
+        if framed:
+            self.chunked = self._chunked
+
+    def __call__(self, data: bytes) -> bool:
+        self.calls += 1
+        if not self.answers[self.calls % len(self.answers)]:
+            return False
+        self.out.append(data)
+        return True
+
+    def _chunked(self, data: bytes):
+        payloads = self.core.chunk_payloads(data)
+        if payloads is None:
+            return None
+        self.whole += 1
+        return True if self(payloads) else payloads
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.paused = self.closed = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _relay_through(cls, core, reads: list[bytes], answers: list[bool], framed: bool):
+    """Feed ``reads`` to a connection of class ``cls`` whose answer is under way, a sink
+    installed as the relay installs it; between reads, a woken reader takes what is queued
+    and parks again. Returns (the body bytes in the order they left, the connection, how many
+    reads the sink's ``chunked`` took)."""
+    loop = asyncio.get_running_loop()
+    out: list[bytes] = []
+    conn = cls(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn._loop, conn._wait_timeout = loop, 600.0
+    conn.data_received(HEAD_SSE)
+    sink = _Sink(core, answers, out, framed)
+    conn.sink, conn.sink_chunked = sink, getattr(sink, "chunked", None)
+    whole = 0
+    for data in reads:
+        if conn.waiter is None or conn.waiter.done():
+            if conn.chunks:
+                out.append(conn.take())
+            conn.waiter = loop.create_future()  # the reader parks again
+        calls = sink.calls
+        boundary = conn.at_boundary
+        conn.data_received(data)
+        whole += boundary and core.chunk_payloads(data) is not None and sink.calls > calls
+    if conn.chunks:
+        out.append(conn.take())
+    return out, conn, whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=12),
+       st.lists(st.integers(0, 2000), max_size=12), st.lists(st.booleans(), min_size=1, max_size=5),
+       st.booleans())
+async def test_whole_chunks_reach_the_sink_past_the_parser_alike(frames, cuts, answers, whole_reads):
+    """A chunked answer read whole chunk by chunk, or cut anywhere, to a sink that takes or
+    refuses each read: a ``FramedConnection`` with a sink that takes whole chunks hands on the
+    same body, in the same order, and ends the answer where a plain connection does (the
+    parser's); and whole-chunk reads from between two chunks go past the parser."""
+    core = compiled_core()
+    wire_frames = [chunk(f) for f in frames] + [b"0\r\n\r\n"]
+    if whole_reads:
+        reads = wire_frames
+    else:
+        wire = b"".join(wire_frames)
+        points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
+        reads = [wire[a:b] for a, b in zip(points, points[1:]) if b > a]
+    plain, plain_conn, _ = _relay_through(fasthttp._Connection, core, reads, answers, framed=False)
+    framed, framed_conn, past = _relay_through(fasthttp.FramedConnection, core, reads, answers, framed=True)
+    assert b"".join(plain) == b"".join(framed) == b"".join(frames)
+    for conn in (plain_conn, framed_conn):
+        assert conn.complete and conn.error is None and conn.reusable() and not conn.at_boundary
+    if whole_reads and len(frames) > 1:
+        assert past >= 1  # every chunk after the first is whole, read from between two chunks
+
+
+async def test_a_framed_connection_still_refuses_what_the_parser_refuses():
+    """Past the parser only whole chunks go; anything else still meets the parser: a
+    malformed chunk after whole ones fails the answer, and an answer's end (the last chunk)
+    still completes it, after which bytes close the connection as on any other."""
+    core = compiled_core()
+    out, conn, past = _relay_through(fasthttp.FramedConnection, core,
+                                     [chunk(b"a"), chunk(b"b"), b"zz\r\nboom\r\n"], [True], framed=True)
+    assert out == [b"a", b"b"] and past == 1
+    assert isinstance(conn.error, httpx.RemoteProtocolError) and conn.transport.closed and not conn.at_boundary
+    out, conn, _ = _relay_through(fasthttp.FramedConnection, core,
+                                  [chunk(b"a"), chunk(b"b") + b"0\r\n\r\n", chunk(b"late")], [True], framed=True)
+    assert out == [b"a", b"b"] and conn.complete and not conn.keep_alive and conn.transport.closed
+
+
+async def test_inside_a_chunk_bytes_that_look_like_chunks_are_its_payload():
+    """A read that starts inside a chunk is never offered as whole chunks, however it looks:
+    a chunk whose payload is itself chunk-shaped, its head read apart from its payload."""
+    core = compiled_core()
+    inner = chunk(b"x") + chunk(b"y")  # 1\r\nx\r\n1\r\ny\r\n, as a payload
+    reads = [chunk(b"a"), b"%x\r\n" % len(inner), inner, b"\r\n", b"0\r\n\r\n"]
+    out, conn, past = _relay_through(fasthttp.FramedConnection, core, reads, [True], framed=True)
+    assert b"".join(out) == b"a" + inner and past == 0 and conn.complete
+
+
+async def test_a_sink_that_raises_on_whole_chunks_fails_the_answer():
+    core = compiled_core()
+
+    class Failing(_Sink):
+        def _chunked(self, data):
+            raise OSError("client socket gone")
+
+    loop = asyncio.get_running_loop()
+    conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn._loop = loop
+    conn.data_received(HEAD_SSE + chunk(b"first"))
+    sink = Failing(core, [True], [], framed=True)
+    conn.sink, conn.sink_chunked = sink, sink.chunked
+    conn.take()
+    conn.waiter = waiter = loop.create_future()
+    conn.data_received(chunk(b"second"))
+    assert waiter.done() and isinstance(conn.error, OSError) and conn.sink is None and conn.sink_chunked is None
+    assert conn.transport.closed and not conn.chunks
+
+
+async def test_only_the_compiled_core_gets_framed_connections():
+    """The app opens FramedConnections where its relay's sink takes whole chunks (the
+    compiled core), plain ones for Python's (whose callbacks would cost it two calls a
+    chunk)."""
+    compiled_core()
+    assert make_state().client._fast._connection is fasthttp.FramedConnection
+    assert make_state(relay_core="python").client._fast._connection is fasthttp._Connection

@@ -12,6 +12,7 @@ import sys
 import tracemalloc
 import types
 
+import httptools
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -76,6 +77,86 @@ def test_plain_events_takes_only_bytes_like_reads(core):
         core.plain_events("data: {}\n\n")
 
 
+# ---------------------------------------------------------------- chunk_payloads
+class _Body:
+    """httptools' account of a chunked body fed from between two chunks: the body bytes, and
+    whether it stands between two chunks again (every chunk it began, it completed)."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        self.body, self.open_chunks, self.complete = [], 0, False
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_chunk_header(self) -> None:
+        self.open_chunks += 1
+
+    def on_chunk_complete(self) -> None:
+        self.open_chunks -= 1
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+def _frame(payload: bytes, spelling: str) -> bytes:
+    size = {"lower": b"%x", "upper": b"%X", "zeros": b"000%x"}[spelling] % len(payload)
+    return size + b"\r\n" + payload + b"\r\n"
+
+
+_PAYLOADS = st.binary(min_size=1, max_size=300) | st.sampled_from([b"\r\n", b"0\r\n\r\n", b"data: {}\n\n"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(_PAYLOADS, st.sampled_from(["lower", "upper", "zeros"])), min_size=1, max_size=6),
+       st.lists(st.integers(0, 3000), max_size=4), st.lists(st.booleans(), min_size=7, max_size=7), st.booleans())
+def test_chunk_payloads_takes_whole_chunks_as_the_parser_does(core, frames, cuts, at_ends, last):
+    """A chunked body (any payloads, sizes in either case or with leading zeros, the last
+    chunk or not) cut anywhere, each read from between two chunks (where the connection
+    offers one): a read that is whole non-final chunks is taken, any other left (None); and
+    httptools reads what was taken to the same body and ends between two chunks, not at the
+    body's end."""
+    wire = b"".join(_frame(p, how) for p, how in frames) + (b"0\r\n\r\n" if last else b"")
+    ends = {0}  # where each whole chunk ends on the wire (the last chunk's excluded)
+    for p, how in frames:
+        ends.add(max(ends) + len(_frame(p, how)))
+    cuts = sorted({0, len(wire), *(c % (len(wire) + 1) for c in cuts),
+                   *(e for e, cut in zip(sorted(ends), at_ends) if cut)})
+    for a, b in zip(cuts, cuts[1:]):
+        if a not in ends:
+            continue  # (read from inside a chunk: never offered; the parser takes it)
+        data = wire[a:b]
+        payloads = core.chunk_payloads(data)
+        assert (payloads is not None) == (b in ends), (a, b, data)
+        if payloads is not None:
+            parsed = _Body()
+            parsed.parser.feed_data(data)
+            assert payloads == b"".join(parsed.body) and parsed.open_chunks == 0 and not parsed.complete
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"0\r\n\r\n", b"00\r\n\r\n", b"3\r\nabc\r\n0\r\n\r\n",  # nothing, the last chunk, one behind it
+    b"3;ext=1\r\nabc\r\n", b"3 \r\nabc\r\n", b" 3\r\nabc\r\n", b"0x3\r\nabc\r\n", b"+3\r\nabc\r\n",
+    b"3\nabc\r\n", b"3\r\nabc\n", b"3\r\nabcXY", b"3\r\nabc\n\n", b"3\r\nabc\r\n1\r\nxY\n", b"3\r\nabcd\r\n", b"3\r\nab\r\n", b"3\r\nabc\r", b"3\r\nabc",  # framing off
+    b"\r\n3\r\nabc\r\n", b"3\r\nabc\r\n\r\n", b"g\r\nabc\r\n", b"3\r\n",
+    b"f" * 16 + b"\r\n", b"1" + b"0" * 15 + b"\r\n" + b"x" * 64,  # sizes past any read (and size_t's range)
+])
+def test_chunk_payloads_leaves_anything_but_whole_chunks_to_the_parser(core, data):
+    assert core.chunk_payloads(data) is None
+
+
+def test_chunk_payloads_at_its_bounds(core):
+    assert core.chunk_payloads(b"1\r\n\x00\r\n") == b"\x00"
+    assert core.chunk_payloads(b"0000000000000a\r\n" + b"x" * 10 + b"\r\n") == b"x" * 10  # 14 digits: taken
+    big = b"y" * 70_000
+    assert core.chunk_payloads(b"%x\r\n%s\r\n" % (len(big), big) * 2) == big * 2
+    with pytest.raises(TypeError):
+        core.chunk_payloads(bytearray(b"1\r\na\r\n"))
+    with pytest.raises(TypeError):
+        core.chunk_payloads("1\r\na\r\n")
+
+
 # ------------------------------------------------------------------ DirectRelay
 def _cycle(writes: list, **fields):
     state = dict(response_started=True, chunked_encoding=True, response_complete=False, disconnected=False)
@@ -124,6 +205,49 @@ def test_direct_relay_takes_writes_and_records_as_write_through(core, groups, cu
     """Over any events, read whole, in groups or cut anywhere, with the client's side ready,
     paused or complete in turn: the compiled callback is the Python one."""
     _relays_alike(core, _reads(groups, cuts, how), states, drop_usage)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_EVENTS, min_size=1, max_size=3), min_size=1, max_size=8),
+       st.lists(st.integers(0, 10_000), max_size=8), st.sampled_from(["groups", "cuts"]),
+       st.lists(st.integers(1, 3), min_size=8, max_size=8),
+       st.lists(st.sampled_from(["ready", "paused", "complete"]), min_size=8, max_size=8))
+def test_direct_relay_takes_whole_chunks_as_their_payloads(core, groups, cuts, how, pieces, states):
+    """``chunked(wire)``, where the wire is whole chunks, relays their payloads as the call
+    with the payloads does (the same return, writes and records), or returns the payloads
+    untouched where the client's side is not ready; a wire that is not whole chunks (the last
+    chunk behind) is None, nothing done."""
+    now = [0.0]
+    logs, writes = {"wire": [], "payloads": []}, {"wire": [], "payloads": []}
+    cycles = {k: _cycle(writes[k]) for k in logs}
+    observers = {k: _observer(logs[k], now, False) for k in logs}
+    relays = {k: core.DirectRelay(cycles[k], observers[k]) for k in logs}
+    for i, data in enumerate(_reads(groups, cuts, how)):
+        now[0] = i * 0.25
+        for c in cycles.values():
+            c.flow.write_paused = states[i % len(states)] == "paused"
+            c.response_complete = states[i % len(states)] == "complete"
+        step = -(-len(data) // pieces[i % len(pieces)])
+        wire = b"".join(b"%x\r\n%s\r\n" % (len(data[j:j + step]), data[j:j + step])
+                        for j in range(0, len(data), step))
+        assert relays["wire"].chunked(wire + b"0\r\n\r\n") is None
+        assert writes["wire"] == writes["payloads"] and logs["wire"] == logs["payloads"]
+        taken = relays["payloads"](data)
+        got = relays["wire"].chunked(wire)
+        assert got is True if taken else got == data
+        if not taken:  # the connection queues it; the relay's task takes it
+            assert observers["wire"].take(got) == observers["payloads"].take(data)
+        assert writes["wire"] == writes["payloads"] and logs["wire"] == logs["payloads"], i
+    fields = ("first_at", "last_at", "usage", "done", "saw_error", "tokens")
+    assert [getattr(observers["wire"], f) for f in fields] == [getattr(observers["payloads"], f) for f in fields]
+
+
+def test_direct_relay_chunked_takes_bytes_only(core):
+    relay = core.DirectRelay(_cycle([]), _observer_giving(bytes))
+    with pytest.raises(TypeError):
+        relay.chunked(bytearray(b"1\r\na\r\n"))
+    with pytest.raises(TypeError):
+        relay.chunked()
 
 
 @pytest.mark.parametrize("reads", EDGE_READS)
@@ -227,18 +351,19 @@ def test_direct_relay_keeps_no_references_and_no_memory(core):
     cycle.transport.write = len  # takes the bytes, keeps nothing
     relay = core.DirectRelay(cycle, observer)
     plain, other = ev(chunk("a")), ev({"choices": [], "usage": {"prompt_tokens": 1}})
-    before = [sys.getrefcount(o) for o in (plain, other, observer, cycle)]
+    wire = b"%x\r\n%s\r\n" % (len(plain), plain)
+    before = [sys.getrefcount(o) for o in (plain, other, observer, cycle, wire)]
     for _ in range(1000):
-        relay(plain), relay(other)
+        relay(plain), relay(other), relay.chunked(wire), relay.chunked(other)
     tracemalloc.start()
     try:
         start, _ = tracemalloc.get_traced_memory()
         for _ in range(100_000):
-            relay(plain), relay(other)
+            relay(plain), relay(other), relay.chunked(wire), relay.chunked(other)
         grown = tracemalloc.get_traced_memory()[0] - start
     finally:
         tracemalloc.stop()
-    assert [sys.getrefcount(o) for o in (plain, other, observer, cycle)] == before
+    assert [sys.getrefcount(o) for o in (plain, other, observer, cycle, wire)] == before
     assert grown < 64 * 1024
     holder = types.SimpleNamespace()
     holder.relay = core.DirectRelay(_cycle([]), types.SimpleNamespace(splitter=holder))
