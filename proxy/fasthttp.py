@@ -24,9 +24,9 @@ What it does and does not do:
     again once on a fresh connection (the server closed an idle keep-alive; nothing of
     the request was processed).
   * Where the relay's sink takes them (the compiled core's), a chunked body's reads that are
-    nothing but whole chunks skip the parser (``FramedConnection``): the parser's Python
-    callbacks were two of the per-read path's seven Python calls. Everything else, the
-    last chunk included, is the parser's.
+    nothing but whole chunks skip the parser (``FramedConnection``): httptools' ``on_body``
+    and the hand-over to the sink were two of the per-read path's seven Python calls.
+    Everything else, the last chunk included, is the parser's.
   * No proxies from the environment, no HTTP/2, no request body streaming beyond
     reading it whole (the proxy's bodies are bounded by max_body_bytes).
 """

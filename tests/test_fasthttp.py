@@ -73,6 +73,31 @@ def client(**kw) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=FastTransport(**kw), timeout=timeout, trust_env=False)
 
 
+class _Sink:
+    """A relay's sink as the connection sees it: takes a read's body bytes or refuses them
+    (False: left queued), per ``answers`` in turn; with ``chunked`` (the compiled relay's
+    method, here over ``chunk_payloads``) where ``framed``."""
+
+    def __init__(self, core, answers: list[bool], out: list, framed: bool) -> None:
+        self.core, self.answers, self.out, self.calls, self.whole = core, answers, out, 0, 0
+        if framed:
+            self.chunked = self._chunked
+
+    def __call__(self, data: bytes) -> bool:
+        self.calls += 1
+        if not self.answers[self.calls % len(self.answers)]:
+            return False
+        self.out.append(data)
+        return True
+
+    def _chunked(self, data: bytes):
+        payloads = self.core.chunk_payloads(data)
+        if payloads is None:
+            return None
+        self.whole += 1
+        return True if self(payloads) else payloads
+
+
 async def test_chunks_arrive_as_they_are_written():
     async def handler(reader, writer, srv):
         await read_request(reader)
@@ -469,31 +494,6 @@ async def test_upstream_connections_that_end_leave_no_reference_cycles(ending):
 
 
 # ------------------------------------------------- whole chunks past the parser (FramedConnection)
-class _Sink:
-    """A relay's sink as the connection sees it: takes a read's body bytes or refuses them
-    (False: left queued), per ``answers`` in turn; with ``chunked`` (the compiled relay's
-    method, here over ``chunk_payloads``) where ``framed``."""
-
-    def __init__(self, core, answers: list[bool], out: list, framed: bool) -> None:
-        self.core, self.answers, self.out, self.calls, self.whole = core, answers, out, 0, 0
-        if framed:
-            self.chunked = self._chunked
-
-    def __call__(self, data: bytes) -> bool:
-        self.calls += 1
-        if not self.answers[self.calls % len(self.answers)]:
-            return False
-        self.out.append(data)
-        return True
-
-    def _chunked(self, data: bytes):
-        payloads = self.core.chunk_payloads(data)
-        if payloads is None:
-            return None
-        self.whole += 1
-        return True if self(payloads) else payloads
-
-
 class _Socket:
     def __init__(self) -> None:
         self.paused = self.closed = False
