@@ -286,3 +286,31 @@ def test_a_ramp_keeps_going_while_either_criterion_is_live_and_gives_a_ceiling_b
     assert sorted({rate for name, rate in seen if name == "vllm-router"}) == [10, 20, 30, 40]
     row = next(r for r in rows if r["target"] == "prefill-gate" and r["rate"] == 20)
     assert row["keeps_up"] is False and row["keeps_up_by_gap"] is True
+
+
+def test_request_costs_times_plain_functions_and_leaves_the_rest():
+    """bench/request_costs.py's timer: a plain function or method is wrapped and its calls
+    recorded (its answer and errors unchanged); a coroutine function or a missing name is
+    left alone; the summary is per request, the costliest first."""
+    costs = _bench("request_costs")
+
+    class Owner:
+        def work(self, x):
+            if x < 0:
+                raise ValueError("negative")
+            return x * 2
+
+        async def waits(self):
+            return None
+
+    samples: list[int] = []
+    assert costs.timed(Owner, "work", samples)
+    assert not costs.timed(Owner, "waits", []) and not costs.timed(Owner, "missing", [])
+    assert Owner().work(3) == 6 and len(samples) == 1 and samples[0] >= 0
+    with pytest.raises(ValueError, match="negative"):
+        Owner().work(-1)
+    assert len(samples) == 2 and Owner.work.__wrapped__(Owner(), 1) == 2
+    rows = costs.summarize({"a": [1000, 3000, 2000], "b": [10_000], "c": []}, requests=2)
+    assert [r["function"] for r in rows] == ["b", "a"]
+    assert rows[1] == {"function": "a", "calls_per_request": 1.5, "us_median": 2.0, "us_p90": 3.0,
+                       "us_per_request": 3.0}
