@@ -19,8 +19,8 @@ the kernel). The timers nest where the functions do (uvicorn's ``data_received``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
+import inspect
 import json
 import os
 import pathlib
@@ -63,7 +63,7 @@ def timed(owner, name: str, samples: list[int]) -> bool:
     ns, goes to ``samples``. False, nothing changed: it is missing or a coroutine function
     (whose time would hold its awaits)."""
     fn = getattr(owner, name, None)
-    if fn is None or asyncio.iscoroutinefunction(fn) or not callable(fn):
+    if fn is None or inspect.iscoroutinefunction(fn) or not callable(fn):
         return False
     clock = time.perf_counter_ns
 

@@ -492,7 +492,6 @@ class GatedExchange(Exchange):
     def _tokens(self, gap: float, n: int) -> None:
         """``n`` content chunks in one read, the first ``gap`` seconds after the previous."""
         lease = self.lease
-        # (lease.large_prefill_in_flight(), without a call a read)
         self._itl[lease.upstream_state.large_in_flight > 0].observe_run(gap, n)
         if lease.closed_loop:  # (token_gap tests it too; here it saves a call a read)
             lease.token_gap(gap, n)

@@ -172,7 +172,7 @@ class _Connection(asyncio.Protocol):
                 taken = self.sink_chunked(data)
             except Exception as exc:
                 self._sink_failed(exc)
-                self._wake()
+                self._hand_over()
                 return
             if taken is True:
                 if self._timer is not None:  # bytes came: the read deadline moves (as in _to_sink)
@@ -208,7 +208,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.at_boundary = False
         self._stop_timer()
         # The parser holds this connection's callbacks, this connection the parser: a
         # reference cycle per closed connection (an abort, an error, an idle expiry) until a

@@ -30,7 +30,8 @@ class Lease:
         self._gate = gate
         self.ticket = ticket
         # Read per upstream read of the stream: its upstream's state, found once (again on a
-        # reroute), and whether its gaps feed the closed loop at all.
+        # reroute; its large_in_flight says whether a large prefill runs where this stream
+        # decodes), and whether its gaps feed the closed loop at all.
         self.upstream_state = gate.policy.upstreams[ticket.upstream]
         self.closed_loop = ticket.protected and gate.policy.limits.itl_slo is not None
 
@@ -63,9 +64,6 @@ class Lease:
         admitted = self._gate.policy.observe_itl(up.name, seconds, n)
         if admitted or up.budget_tokens != budget:
             self._gate._wake(admitted)
-
-    def large_prefill_in_flight(self) -> bool:
-        return self.upstream_state.large_in_flight > 0
 
     @property
     def slicing(self) -> bool:

@@ -338,13 +338,13 @@ async def test_a_lease_reads_its_own_upstreams_large_prefills_and_follows_a_rero
     ticket = small()
     ticket.prefer = "u1"
     async with Gate(p).admission(ticket) as lease:
-        assert lease.upstream == "u1" and not lease.large_prefill_in_flight()
+        assert lease.upstream == "u1" and not lease.upstream_state.large_in_flight > 0
         p.upstreams["u1"].large_in_flight = 1
-        assert lease.large_prefill_in_flight()
+        assert lease.upstream_state.large_in_flight > 0
         assert lease.reroute({"u1"}) and lease.upstream == "u2"
-        assert not lease.large_prefill_in_flight()
+        assert not lease.upstream_state.large_in_flight > 0
         p.upstreams["u2"].large_in_flight = 1
-        assert lease.large_prefill_in_flight()
+        assert lease.upstream_state.large_in_flight > 0
         p.upstreams["u1"].large_in_flight = p.upstreams["u2"].large_in_flight = 0
     assert not lease.closed_loop  # no itl_slo: the stream's gaps feed nothing
     p2, _ = policy(("u1",), itl_slo=0.05)
