@@ -18,7 +18,7 @@
 
      DirectRelay(cycle, observer)(data) -> bool
          exactly ``ChunkWriter(cycle).write_through(observer.take, data)`` (proxy/listener.py,
-         proxy/relay.py): False, with nothing taken, while uvicorn's ``send`` has more to
+         proxy/relay.py): False, with nothing taken, while the cycle's ``send`` has more to
          do than write a body part; else the read observed and written, and True. As
          ``take`` does: a plain read is counted as ``observer.counted(n)`` counts it (here,
          step for step), any other cut by the observer's splitter and filtered
@@ -183,10 +183,10 @@ chunk_payloads(PyObject *module, PyObject *data)
 
 typedef struct {
     PyObject_HEAD
-    PyObject *cycle;     /* uvicorn's RequestResponseCycle of the client's request */
+    PyObject *cycle;     /* the client's request (proxy.http1.Cycle) */
     PyObject *observer;  /* the stream's StreamObserver */
-    /* Read once: none changes in a cycle's or an observer's life (uvicorn sets a cycle's
-       flow and transport in its __init__; an observer keeps its splitter). */
+    /* Read once: none changes in a cycle's or an observer's life (a cycle's flow and
+       transport are set in its __init__; an observer keeps its splitter). */
     PyObject *flow;      /* cycle.flow */
     PyObject *write;     /* cycle.transport.write */
     PyObject *splitter;  /* observer.splitter */

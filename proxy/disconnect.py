@@ -8,9 +8,9 @@ closes what it holds. Once the response is ``closing`` (its last byte is on the 
 a disconnect is no longer news. Our own cancellation is absorbed at the block's end
 (``gone`` says it happened); any other cancellation propagates.
 
-How it learns: behind the proxy's own listener (``proxy.listener``: uvicorn's httptools
-protocol, which hands each request's ``send`` a list of callbacks to run when the
-connection is lost) by a callback; anywhere else (another server, uvicorn's h11 protocol,
+How it learns: behind the proxy's own listener (``proxy.listener``, whose protocol
+``proxy.http1`` hands each request's ``send`` a list of callbacks to run when the
+connection is lost) by a callback; anywhere else (another server, uvicorn's own protocols,
 an in-memory transport) by a task that waits on ``receive()``. The callback spares each
 request a task, its wake-ups and its cancellation.
 """

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_state, create_app
 from proxy.settings import load_settings
+from proxy.state import AppState
 
 UPSTREAM = "http://vllm.test"
 CHAT = "/v1/chat/completions"
@@ -171,14 +172,17 @@ async def proxy_client(fake, **settings):
 
 
 @contextlib.asynccontextmanager
-async def serve(app, settings=None):
-    """A real uvicorn server on a free loopback port, in this event loop (with ``settings``:
-    configured as ``prefill-gate serve`` configures its listener)."""
+async def serve(app, settings=None, *, plain=False):
+    """A real uvicorn server on a free loopback port, in this event loop. The proxy's app
+    (or any app, given ``settings``) behind the proxy's listener, configured as
+    ``prefill-gate serve`` configures it; ``plain``: behind uvicorn's own protocol."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    if settings is None:
+    if settings is None and not plain and isinstance(getattr(app, "state", None), AppState):
+        settings = app.state.settings
+    if settings is None or plain:
         config = uvicorn.Config(app, log_level="warning", lifespan="on")
     else:
         from proxy.listener import server_config

@@ -1,6 +1,6 @@
 """The relay's direct path: body bytes written to the client from the upstream's read
 callback (``proxy.listener.ChunkWriter``, ``proxy.fasthttp.body_sink``; the callback of
-either relay core, ``proxy.relaycore``), with real sockets on both sides (uvicorn's httptools
+either relay core, ``proxy.relaycore``), with real sockets on both sides (the proxy's
 listener, the proxy's own transport)."""
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ async def post_raw(url: str, path: str, body: bytes, *, pause_s: float = 0.0) ->
     return raw
 
 
-async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
+async def test_the_chunk_writer_writes_what_send_writes():
     """Byte for byte, a body part through ChunkWriter and through send frame alike; for a
-    GET (and for any send that is not uvicorn's httptools cycle) there is no writer."""
+    GET (and for any send that is not the proxy's listener's) there is no writer."""
     seen = {}
 
     async def app(scope, receive, send):
@@ -76,7 +76,7 @@ async def test_the_chunk_writer_writes_what_uvicorns_send_writes():
         if writer is not None:
             assert not writer.write_through(_never, b"late")  # complete: only send may end it
 
-    async with serve(app) as url:
+    async with serve(app, make_state().settings) as url:
         raw = await post_raw(url, "/", b"{}")
     assert raw.endswith(b"\r\n\r\n5\r\nhello\r\n2\r\nHI\r\n5\r\nhello\r\n0\r\n\r\n")
     assert isinstance(seen["POST"], listener.ChunkWriter)

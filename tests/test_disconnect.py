@@ -40,8 +40,7 @@ async def stack(request):
     async with serve(create_sim_app(engine)) as sim_url:
         state = build_state(load_settings({"upstreams": [sim_url], "large_prefill_tokens": 1000}, environ={}),
                             registry=CollectorRegistry())
-        listener = state.settings if request.param == "listener" else None
-        async with serve(create_app(state, health_checks=False), listener) as url:
+        async with serve(create_app(state, health_checks=False), plain=request.param == "uvicorn") as url:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 yield client, state, engine, sim_url
 

@@ -139,7 +139,7 @@ async def test_streams_leave_no_reference_cycles(fake, listener, ending):
             return str(o.request.url).startswith(UPSTREAM)
         return isinstance(o, (GatedExchange, DisconnectWatch, StreamObserver))
 
-    async with serve(app, state.settings if listener else None) as url, httpx.AsyncClient(base_url=url) as c:
+    async with serve(app, plain=not listener) as url, httpx.AsyncClient(base_url=url) as c:
         async def one() -> None:
             if ending != "client_left":
                 r = await c.post(CHAT, json=chat(stream=True, **({} if ending == "finished" else {"fail": ending})))
