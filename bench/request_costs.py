@@ -7,12 +7,12 @@ A request's setup costs the proxy far more on its loop, between other streams' r
 the same calls cost in a loop of their own: the CPU's caches hold other work each time
 (docs/RESULTS.md 3m). A profiler's overhead hides that; this times it where it happens. The
 proxy (this checkout, defaults) runs alone on the last CPU in front of the stamping upstream,
-with the synchronous per-request functions in ``TIMED`` (the proxy's and uvicorn's) each
+with the synchronous per-request functions in ``TIMED`` (the proxy's, its HTTP protocol's included) each
 wrapped in a timer; streams go through it as in bench/relay_router.py (a new connection a
 request, starts spread over the level), first a warm-up, then ``--requests`` counted. Per
 function: calls a request, the median and p90 of a call, and its time a request; beside them
 the proxy process's CPU a request over the same window (all of it: the reads, the event loop,
-the kernel). The timers nest where the functions do (uvicorn's ``data_received`` holds its
+the kernel). The timers nest where the functions do (the protocol's ``data_received`` holds its
 ``on_headers_complete``), and each adds its own call and two clock reads to what it times.
 """
 
@@ -33,12 +33,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # (module, attribute path): synchronous code that runs once or twice a request.
 TIMED = (
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.__init__"),
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.connection_made"),
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.data_received"),
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.on_headers_complete"),
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.on_response_complete"),
-    ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.connection_lost"),
+    ("proxy.http1", "Connection.__init__"),
+    ("proxy.http1", "Connection.connection_made"),
+    ("proxy.http1", "Connection.data_received"),
+    ("proxy.http1", "Connection.on_headers_complete"),
+    ("proxy.http1", "Connection.answered"),
+    ("proxy.http1", "Connection.connection_lost"),
     ("proxy.app", "path_refusal"),
     ("proxy.bodies", "_read"),
     ("proxy.bodies", "parse_body"),

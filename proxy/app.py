@@ -157,6 +157,7 @@ HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # percent-encoded dots, slashes, backslashes and NULs.
 _ENCODED = re.compile(rb"%(2e|2f|5c|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_HOT_RAW = {path: path.encode() for path in HOT_PATHS}  # their canonical spellings, as sent
 
 
 def path_refusal(path: str, raw_path: bytes | None) -> ProxyError | None:
@@ -164,6 +165,8 @@ def path_refusal(path: str, raw_path: bytes | None) -> ProxyError | None:
     routed by its one canonical spelling: dot segments, empty segments, backslashes, control
     characters and encoded separators are refused, so no spelling of a gated endpoint reaches
     the upstream through passthrough (which would resolve it there, ungated)."""
+    if raw_path is not None and _HOT_RAW.get(path) == raw_path:
+        return None  # a gated endpoint spelled as it is: nothing below can refuse it (the common case)
     if _ENCODED.search(raw_path or b"") or "\\" in path or "//" in path or _CONTROL.search(path):
         return BadRequest("the request path is not in canonical form (encoded or doubled separators, "
                           "control characters)")

@@ -109,8 +109,9 @@ def _read(raw: bytes, opts: BodyOptions, encoded: bool) -> RequestBody:
         content, from_raw = json.dumps(body).encode(), None
     elif streaming and not (body.get("stream_options") or {}).get("include_usage"):
         drop_usage = True
-        if "stream_options" not in body and _member_slot(raw) is not None:
-            content, from_raw = with_member(raw, USAGE_MEMBER) if not encoded else None, "usage appended"
+        slot = _member_slot(raw) if "stream_options" not in body else None
+        if slot is not None:
+            content, from_raw = None if encoded else _appended(raw, slot, USAGE_MEMBER), "usage appended"
         else:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             content, from_raw = json.dumps(body).encode(), None
@@ -373,8 +374,10 @@ def with_member(raw: bytes, member: bytes) -> bytes | None:
     appended: the client's bytes otherwise as they came (no re-encoding of a long prompt;
     one copy). None when ``raw`` is not plainly that (another encoding: re-encode instead)."""
     slot = _member_slot(raw)
-    if slot is None:
-        return None
+    return None if slot is None else _appended(raw, slot, member)
+
+
+def _appended(raw: bytes, slot: tuple[int, int], member: bytes) -> bytes:
     start, end = slot
     return b"".join((memoryview(raw)[start:end], b"" if end == start + 1 else b",", member, b"}"))
 
