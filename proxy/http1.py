@@ -14,11 +14,14 @@ on the same requests). What it adds, for a public listener:
   time). The body is not under it: a large upload may take its time.
 - A bound on the head's size: header names and values over ``max_header_bytes`` (or more
   than ``MAX_HEADERS`` fields) get 431, a request target over ``MAX_TARGET_BYTES`` 414,
-  before the app runs; bytes of an unfinished head are counted as they arrive, so no head
-  is buffered past its bound (uvicorn buffers a head whole, however large).
+  before the app runs. The parser holds a header (or a chunked body's trailer) field until
+  it ends; bytes it has made nothing of are counted as they arrive, so none is held past
+  that bound either (uvicorn's holds a field however long).
 - A chunked body's trailer fields never join the request's headers.
 - Garbage after a request whose answer is under way does not land inside that answer
   (uvicorn writes its 400 into the stream): the connection closes once the answer ends.
+  Every refusal closes by lingering: what the client still sends is read and dropped for a
+  moment, so that the answer is not lost to a reset.
 - The connection's loss runs the callbacks its requests' ``send`` list (``ON_LOST``,
   proxy.disconnect) instead of a task per request waiting on ``receive``.
 
@@ -277,7 +280,7 @@ class Connection(asyncio.Protocol):
     access_log = False
 
     __slots__ = ("config", "server_state", "app_state", "app", "loop", "transport", "parser", "client", "server",
-                 "scheme", "url", "headers", "head_bytes", "raw_head", "in_head", "continue_expected", "cycle",
+                 "scheme", "url", "headers", "head_bytes", "quiet", "surfaced", "in_head", "continue_expected", "cycle",
                  "active", "queued", "read_state", "write_paused", "drainers", "timer", "timer_is_head",
                  "on_lost", "lingering")
 
@@ -303,6 +306,7 @@ class Connection(asyncio.Protocol):
         self.timer_is_head = False
         self.on_lost: list = []  # callbacks for the connection's loss (proxy.disconnect)
         self.lingering = False  # refused: what the client still sends is dropped
+        self.quiet = 0  # bytes read since the parser last made something of them
 
     # -------------------------------------------------------------- the transport's calls
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -337,7 +341,7 @@ class Connection(asyncio.Protocol):
             return
         if self.timer is not None and not self.timer_is_head:
             self._disarm()  # the keep-alive timer: the next request has begun
-        continuing = self.in_head  # a head under way before these bytes: every byte of them is the head's
+        self.surfaced = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -350,14 +354,15 @@ class Connection(asyncio.Protocol):
                 log.warning("Invalid HTTP request received.")
             self._refuse(_400 if refusal is None else refusal.answer)
             return
-        if self.in_head:
-            if continuing:
-                self.raw_head += len(data)
-                if self.raw_head > self.max_header_bytes + MAX_TARGET_BYTES + 4 * MAX_HEADERS:
-                    self._refuse(self._431())
-                    return
-            if self.timer is None and self._idle():
-                self._arm_head()
+        if self.surfaced:
+            self.quiet = 0
+        else:  # nothing came of these bytes yet: the parser holds them (a header or trailer field unfinished)
+            self.quiet += len(data)
+            if self.quiet > self.max_header_bytes + MAX_TARGET_BYTES:
+                self._refuse(self._431() if self.in_head else _400)
+                return
+        if self.in_head and self.timer is None and self._idle():
+            self._arm_head()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -390,15 +395,16 @@ class Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list = []
         self.head_bytes = 0
-        self.raw_head = 0
         self.continue_expected = False
 
     def on_url(self, url: bytes) -> None:
+        self.surfaced = True
         self.url += url
         if len(self.url) > MAX_TARGET_BYTES:
             raise _Refused(_414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.surfaced = True
         self.head_bytes += len(name) + len(value)
         if self.head_bytes > self.max_header_bytes or len(self.headers) >= MAX_HEADERS:
             raise _Refused(self._431())
@@ -410,6 +416,7 @@ class Connection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.surfaced = True
         self.in_head = False
         if self.timer_is_head:
             self._disarm()
@@ -443,6 +450,7 @@ class Connection(asyncio.Protocol):
             self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
+        self.surfaced = True
         cycle = self.cycle
         if cycle.response_complete:
             return  # answered already: the rest of its body goes nowhere
@@ -453,6 +461,7 @@ class Connection(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        self.surfaced = True
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.more_body = False
@@ -514,15 +523,26 @@ class Connection(asyncio.Protocol):
                       % (self.max_header_bytes, MAX_HEADERS), json_error="headers_too_large")
 
     def _refuse(self, answer: bytes) -> None:
-        """A head that cannot be served (malformed, too large): its answer and the end of
-        the connection; or, where another answer is under way, the end after that one."""
+        """Bytes that cannot be served (malformed, a head too large, a field without end):
+        ``answer`` and the end of the connection. Where a request is being answered: if its
+        own bytes were whole, the bad ones are the next request's, and its answer ends whole
+        before the connection does (no error inside it); if they cut its body, the app hears
+        that its client is gone (its answer, begun, is cut)."""
         self._disarm()
         self.in_head = False
         self.queued = None
-        if not self._idle():
-            self._stop_reading()
-            self.active.keep_alive = False
-        elif not self.transport.is_closing():
+        active = self.active
+        if active is not None and not active.response_complete:
+            if not active.more_body:
+                self._stop_reading()
+                active.keep_alive = False
+                return
+            active.disconnected = True  # its body can never be read to its end
+            active.wake()
+            if active.response_started:
+                self.transport.close()
+                return
+        if not self.transport.is_closing():
             self.transport.write(answer)
             self._linger()
 

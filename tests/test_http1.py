@@ -224,6 +224,49 @@ async def test_an_endless_header_is_refused_while_it_arrives():
     assert sent < 4 * SETTINGS.max_header_bytes + 4 * 262144
 
 
+async def test_an_endless_trailer_field_is_refused_while_it_arrives():
+    """A chunked body's trailer field without end: the parser would hold it whole."""
+    async with serve(echo, SETTINGS) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"POST /len HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nx-t: ")
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            while not (reader.at_eof() or reader._buffer) and sent < 50 * SETTINGS.max_header_bytes:
+                writer.write(b"a" * 16384)
+                await writer.drain()
+                sent += 16384
+                await asyncio.sleep(0)
+        answer = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400")
+    assert sent < 4 * SETTINGS.max_header_bytes + 4 * 262144
+
+
+async def test_a_body_cut_by_bad_bytes_tells_the_app_its_client_is_gone():
+    """A chunked body whose next chunk size is garbage: the app, reading it, hears
+    http.disconnect (it would otherwise wait for the rest forever) and the client gets 400."""
+    heard = asyncio.Queue()
+
+    async def reads(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while True:
+            message = await receive()
+            await heard.put(message)
+            if message["type"] == "http.disconnect" or not message["more_body"]:
+                return
+
+    async with serve(reads, SETTINGS) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
+        assert (await asyncio.wait_for(heard.get(), 5))["body"] == b"hi"
+        writer.write(b"zz\r\n")
+        assert (await asyncio.wait_for(heard.get(), 5)) == {"type": "http.disconnect"}
+        answer = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400")
+
+
 async def test_garbage_behind_a_request_under_way_does_not_land_in_its_answer():
     """The answer under way ends whole, then the connection closes; uvicorn writes its 400
     into the middle of the stream."""
