@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http
 import logging
-import re
 import urllib.parse
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT as HIGH_WATER  # body bytes held before reading pauses
+from uvicorn.protocols.http.flow_control import service_unavailable  # the 503 over max_client_connections
+# uvicorn's status lines and its checks of an answer's header names and values (header
+# injection), shared: the same bytes and refusals as its protocol by construction.
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from .disconnect import ON_LOST
@@ -50,25 +53,9 @@ from .disconnect import ON_LOST
 log = logging.getLogger("uvicorn.error")
 access = logging.getLogger("uvicorn.access")
 
-HIGH_WATER = 65536  # request body bytes buffered for the app before reading pauses
 MAX_TARGET_BYTES = 16384  # the request target (path and query)
 MAX_HEADERS = 512  # header fields in one request head
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
-
-# What uvicorn refuses in an answer's header names and values (header injection).
-_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
-_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-def _status_line(code: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(code).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (code, phrase)
-
-
-STATUS_LINE = {code: _status_line(code) for code in range(100, 600)}
 
 
 def _plain(status: int, text: str, *, json_error: str | None = None) -> bytes:
@@ -86,16 +73,14 @@ def _plain(status: int, text: str, *, json_error: str | None = None) -> bytes:
 _400 = _plain(400, "Invalid HTTP request received.")
 _408 = _plain(408, "the request's headers did not arrive in time (client_header_timeout)", json_error="request_timeout")
 _414 = _plain(414, "the request target is over %d bytes" % MAX_TARGET_BYTES, json_error="uri_too_long")
-_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 19\r\n"
-        b"connection: close\r\n\r\nService Unavailable")
 _READING, _PAUSED, _STOPPED = "reading", "paused", "stopped"  # a connection's reads
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DISCONNECT = {"type": "http.disconnect"}
 
 
 class _Refused(Exception):
-    """Raised from a parser callback: this head is answered with ``answer`` and the
-    connection closed."""
+    """Raised from a parser callback: what was read is answered with ``answer`` and the
+    connection closed (``Connection._refuse``)."""
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
@@ -215,9 +200,9 @@ class Cycle:
             head += (name, b": ", value, b"\r\n")
         closes = False
         for name, value in headers:
-            if _BAD_NAME.search(name):
+            if HEADER_RE.search(name):
                 raise RuntimeError("Invalid HTTP header name.")
-            if _BAD_VALUE.search(value):
+            if HEADER_VALUE_RE.search(value):
                 raise RuntimeError("Invalid HTTP header value.")
             name = name.lower()
             if name == b"content-length" and self.chunked_encoding is None:
@@ -262,13 +247,6 @@ class Cycle:
 
 
 assert ON_LOST in Cycle.__slots__
-
-
-async def _unavailable(scope: dict, receive: Any, send: Any) -> None:
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"19"),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": b"Service Unavailable", "more_body": False})
 
 
 class Connection(asyncio.Protocol):
@@ -440,7 +418,7 @@ class Connection(asyncio.Protocol):
         app = self.app
         if limit is not None and (len(state.connections) >= limit or len(state.tasks) >= limit):
             log.warning("Exceeded concurrency limit.")
-            app = _unavailable
+            app = service_unavailable
         if self.active is None or self.active.response_complete:
             self._start(cycle, app)
         else:  # pipelined: answered after the one under way
