@@ -242,7 +242,7 @@ class Cycle:
             self.response_complete = True
             self.wake()
             if not self.keep_alive:
-                self.transport.close()
+                self.flow.close_answered()
             self.flow.answered(self)
 
 
@@ -458,7 +458,7 @@ class Connection(asyncio.Protocol):
         if cycle is not self.active:
             return
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.lingering:
             return
         if self.queued:
             self._start(*self.queued.popleft())
@@ -472,6 +472,15 @@ class Connection(asyncio.Protocol):
             self._disarm()
             self.timer = self.loop.call_later(self.config.timeout_keep_alive, self._idle_timed_out)
             self.timer_is_head = False
+
+    def close_answered(self) -> None:
+        """The end of a connection whose last answer is complete. Where reading stopped at
+        bytes refused (:meth:`_refuse`), more may wait unread, and a close on unread bytes
+        resets the connection, which can cost the client the answer's tail: linger instead."""
+        if self.read_state is _STOPPED and not self.transport.is_closing():
+            self._linger()
+        else:
+            self.transport.close()
 
     def resume_reading_for(self, cycle: Cycle) -> None:
         """The app waits on ``cycle``'s body: read, unless requests are queued behind it."""

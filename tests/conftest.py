@@ -171,6 +171,9 @@ async def proxy_client(fake, **settings):
         state.bodies.close()  # (the lifespan's part, which the in-memory transport does not run)
 
 
+SHUTDOWN_BOUND_S = 10.0  # serve's bound on the server's graceful shutdown
+
+
 @contextlib.asynccontextmanager
 async def serve(app, settings=None, *, plain=False):
     """A real uvicorn server on a free loopback port, in this event loop. The proxy's app
@@ -198,8 +201,17 @@ async def serve(app, settings=None, *, plain=False):
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        await task
-        sock.close()
+        try:
+            # A graceful shutdown waits for every request under way; a test that failed
+            # mid-request would otherwise hang here instead of reporting its failure.
+            done, _ = await asyncio.wait([task], timeout=SHUTDOWN_BOUND_S)
+            if not done:
+                server.force_exit = True
+                await task
+                raise AssertionError(f"the server still had requests under way {SHUTDOWN_BOUND_S} s after "
+                                     "the test asked it to stop; forced")
+        finally:
+            sock.close()
 
 
 def sample(registry, name, labels=None) -> float:

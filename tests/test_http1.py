@@ -242,9 +242,12 @@ async def test_an_endless_trailer_field_is_refused_while_it_arrives():
     assert sent < 4 * SETTINGS.max_header_bytes + 4 * 262144
 
 
-async def test_a_body_cut_by_bad_bytes_tells_the_app_its_client_is_gone():
+async def test_a_body_cut_by_bad_bytes_tells_the_app_its_client_is_gone(monkeypatch):
     """A chunked body whose next chunk size is garbage: the app, reading it, hears
-    http.disconnect (it would otherwise wait for the rest forever) and the client gets 400."""
+    http.disconnect at once (it would otherwise wait for the rest forever) and the client
+    gets 400. (The lingering close is stretched past the test's waits, so that the
+    connection's end cannot be what tells the app.)"""
+    monkeypatch.setattr(http1, "LINGER_S", 60.0)
     heard = asyncio.Queue()
 
     async def reads(scope, receive, send):
@@ -267,6 +270,32 @@ async def test_a_body_cut_by_bad_bytes_tells_the_app_its_client_is_gone():
     assert answer.startswith(b"HTTP/1.1 400")
 
 
+async def test_a_body_cut_after_the_answer_began_cuts_the_answer_without_a_400_inside():
+    """The app answers while it reads a chunked body; bad bytes cut the body: the app hears
+    http.disconnect, and the client sees its answer end with the connection, no 400 written
+    into the middle of it."""
+    heard = asyncio.Queue()
+
+    async def answers_early(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"begun", "more_body": True})
+        while (message := await receive())["type"] != "http.disconnect":
+            pass
+        await heard.put(message)
+
+    async with serve(answers_early, SETTINGS) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
+        await asyncio.wait_for(reader.readuntil(b"begun\r\n"), 5)
+        writer.write(b"zz\r\n")
+        assert (await asyncio.wait_for(heard.get(), 5)) == {"type": "http.disconnect"}
+        rest = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+    assert rest == b""  # the answer cut where it was: no chunk, no last chunk, no 400
+
+
 async def test_garbage_behind_a_request_under_way_does_not_land_in_its_answer():
     """The answer under way ends whole, then the connection closes; uvicorn writes its 400
     into the middle of the stream."""
@@ -287,10 +316,22 @@ async def test_garbage_behind_a_request_under_way_does_not_land_in_its_answer():
         await asyncio.wait_for(reader.readuntil(b"first\r\n"), 5)
         writer.write(b"\x00\x01 not http\r\n\r\n")
         await asyncio.sleep(0.05)
+        flood = asyncio.create_task(_send_until_refused(writer, 8 << 20))  # more garbage
+        await asyncio.sleep(0.2)
+        assert not flood.done()  # not read: the connection stopped reading at the garbage
         release.set()
         rest = await asyncio.wait_for(reader.read(-1), 5)
+        await asyncio.wait_for(flood, 5)
         writer.close()
+    # whole, though unread bytes waited: closing on them would have reset the answer's tail
     assert rest == b"6\r\nsecond\r\n0\r\n\r\n"
+
+
+async def _send_until_refused(writer: asyncio.StreamWriter, size: int) -> None:
+    with contextlib.suppress(ConnectionError):
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
 
 
 async def test_an_upgrade_request_is_served_as_http_and_the_connection_closed():
