@@ -30,7 +30,19 @@
          taken; the payloads, untouched, where the client's side was not ready.
 
    DirectRelay tests bytes only; any other read (none comes from proxy/fasthttp.py) goes to
-   ``observer.take``, which treats it as Python would. */
+   ``observer.take``, which treats it as Python would.
+
+     Histogram(bounds)
+         proxy/metrics.py's histogram child (``_HistogramChild``): ``observe(value)``,
+         ``observe_run(value, n)``, ``counts`` (per bucket, the last +Inf) and ``sum``, the
+         same numbers from the same observations, its counts in C.
+
+     GapTally(quiet, busy, upstream, more)(gap, n) -> None
+         exactly ``GatedExchange._tokens`` (proxy/exchange.py), the per-read token hook:
+         ``n`` content chunks in one read, ``gap`` seconds after the previous, observed in
+         ``busy`` while ``upstream.large_in_flight > 0``, else in ``quiet`` (two Histograms);
+         then ``more(gap, n)`` unless ``more`` is None (the closed loop, the predictor).
+         Where DirectRelay counts a read, it calls this without a Python frame. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,7 +51,7 @@
 
 static PyObject *s_response_started, *s_chunked_encoding, *s_response_complete, *s_disconnected, *s_flow,
     *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_take, *s_feed, *s_filter,
-    *s_clock, *s_tokens, *s_last_at, *s_on_tokens;
+    *s_clock, *s_tokens, *s_last_at, *s_on_tokens, *s_large_in_flight;
 
 static const char EVENT_HEAD[] = "data: {";        /* how a plain content event starts */
 static const char EVENT_JOIN[] = "\n\ndata: {";    /* the seam between two of them in one read */
@@ -452,6 +464,293 @@ static PyTypeObject DirectRelayType = {
     .tp_methods = relay_methods,
 };
 
+/* ------------------------------------------------------------------ Histogram */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t nbounds;
+    double *bounds;              /* ascending, as proxy/metrics.py gives them */
+    unsigned long long *counts;  /* nbounds + 1: per bucket, not cumulative; the last is +Inf */
+    Py_ssize_t zero_at;          /* the bucket of 0.0 */
+    double sum;
+} Histogram;
+
+/* bisect.bisect_left(bounds, value): the first bound not below value (NaN: 0, as in Python,
+   where every ``bound < nan`` is false). */
+static Py_ssize_t
+bucket_of(const Histogram *h, double value)
+{
+    Py_ssize_t lo = 0, hi = h->nbounds;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (h->bounds[mid] < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void
+histogram_run(Histogram *h, double value, Py_ssize_t n)
+{
+    h->counts[bucket_of(h, value)] += 1;
+    if (n > 1)
+        h->counts[h->zero_at] += (unsigned long long)(n - 1);
+    h->sum += value;
+}
+
+static int
+histogram_init(Histogram *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"bounds", NULL};
+    PyObject *given;
+    if (self->bounds != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a Histogram is made once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Histogram", names, &given))
+        return -1;
+    PyObject *seq = PySequence_Fast(given, "bounds must be a sequence of numbers");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    self->bounds = PyMem_Calloc((size_t)n + 1, sizeof(double));
+    self->counts = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
+    if (self->bounds == NULL || self->counts == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double b = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (b == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (i > 0 && !(self->bounds[i - 1] < b)) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "bounds must be strictly ascending");
+            return -1;
+        }
+        self->bounds[i] = b;
+    }
+    Py_DECREF(seq);
+    self->nbounds = n;
+    self->zero_at = bucket_of(self, 0.0);
+    return 0;
+}
+
+static void
+histogram_dealloc(Histogram *self)
+{
+    PyMem_Free(self->bounds);
+    PyMem_Free(self->counts);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+histogram_ready(Histogram *self)
+{
+    if (self->counts == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Histogram.__init__ was not called");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+histogram_observe(Histogram *self, PyObject *value)
+{
+    double v = PyFloat_AsDouble(value);
+    if ((v == -1.0 && PyErr_Occurred()) || histogram_ready(self) < 0)
+        return NULL;
+    histogram_run(self, v, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+histogram_observe_run(Histogram *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "observe_run(value, n) takes two arguments");
+        return NULL;
+    }
+    double v = PyFloat_AsDouble(args[0]);
+    if (v == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if ((n == -1 && PyErr_Occurred()) || histogram_ready(self) < 0)
+        return NULL;
+    histogram_run(self, v, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+histogram_counts(Histogram *self, void *closure)
+{
+    if (histogram_ready(self) < 0)
+        return NULL;
+    PyObject *out = PyList_New(self->nbounds + 1);
+    for (Py_ssize_t i = 0; out != NULL && i <= self->nbounds; i++) {
+        PyObject *count = PyLong_FromUnsignedLongLong(self->counts[i]);
+        if (count == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, count);
+    }
+    return out;
+}
+
+static PyObject *
+histogram_sum(Histogram *self, void *closure)
+{
+    return PyFloat_FromDouble(self->sum);
+}
+
+static PyMethodDef histogram_methods[] = {
+    {"observe", (PyCFunction)histogram_observe, METH_O, "observe(value): one observation."},
+    {"observe_run", (PyCFunction)(void (*)(void))histogram_observe_run, METH_FASTCALL,
+     "observe_run(value, n): ``value``, then ``n - 1`` zeros (one read's chunks)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef histogram_getset[] = {
+    {"counts", (getter)histogram_counts, NULL, "per bucket, not cumulative; the last is +Inf (a new list)", NULL},
+    {"sum", (getter)histogram_sum, NULL, "the sum of the observations", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HistogramType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "proxy._relaycore.Histogram",
+    .tp_doc = "Histogram(bounds): proxy/metrics.py's histogram child, its counts in C.",
+    .tp_basicsize = sizeof(Histogram),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)histogram_init,
+    .tp_dealloc = (destructor)histogram_dealloc,
+    .tp_methods = histogram_methods,
+    .tp_getset = histogram_getset,
+};
+
+/* ------------------------------------------------------------------ GapTally */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Histogram *quiet, *busy;  /* no large prefill in flight on the upstream / one or more */
+    PyObject *upstream;       /* its .large_in_flight, read at each call */
+    PyObject *more;           /* None, or callable(gap, n) */
+} GapTally;
+
+static PyObject *zero;  /* 0 */
+
+static PyObject *
+tally_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    GapTally *self = (GapTally *)op;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "GapTally takes two positional arguments (gap, n)");
+        return NULL;
+    }
+    if (self->quiet == NULL) {
+        PyErr_SetString(PyExc_TypeError, "GapTally.__init__ was not called");
+        return NULL;
+    }
+    double gap = PyFloat_AsDouble(args[0]);
+    if (gap == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *large = PyObject_GetAttr(self->upstream, s_large_in_flight);
+    if (large == NULL)
+        return NULL;
+    int busy = PyObject_RichCompareBool(large, zero, Py_GT);
+    Py_DECREF(large);
+    if (busy < 0)
+        return NULL;
+    histogram_run(busy ? self->busy : self->quiet, gap, n);
+    if (self->more == Py_None)
+        Py_RETURN_NONE;
+    return PyObject_Vectorcall(self->more, args, 2, NULL);
+}
+
+static int
+tally_init(GapTally *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"quiet", "busy", "upstream", "more", NULL};
+    PyObject *quiet, *busy, *upstream, *more;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO:GapTally", names, &HistogramType, &quiet,
+                                     &HistogramType, &busy, &upstream, &more))
+        return -1;
+    if (histogram_ready((Histogram *)quiet) < 0 || histogram_ready((Histogram *)busy) < 0)
+        return -1;
+    if (more != Py_None && !PyCallable_Check(more)) {
+        PyErr_SetString(PyExc_TypeError, "more must be None or callable");
+        return -1;
+    }
+    Py_XSETREF(self->quiet, (Histogram *)Py_NewRef(quiet));
+    Py_XSETREF(self->busy, (Histogram *)Py_NewRef(busy));
+    Py_XSETREF(self->upstream, Py_NewRef(upstream));
+    Py_XSETREF(self->more, Py_NewRef(more));
+    return 0;
+}
+
+static PyObject *
+tally_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    GapTally *self = (GapTally *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->vectorcall = tally_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+tally_traverse(GapTally *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->quiet);
+    Py_VISIT(self->busy);
+    Py_VISIT(self->upstream);
+    Py_VISIT(self->more);
+    return 0;
+}
+
+static int
+tally_clear(GapTally *self)
+{
+    Py_CLEAR(self->quiet);
+    Py_CLEAR(self->busy);
+    Py_CLEAR(self->upstream);
+    Py_CLEAR(self->more);
+    return 0;
+}
+
+static void
+tally_dealloc(GapTally *self)
+{
+    PyObject_GC_UnTrack(self);
+    tally_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject GapTallyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "proxy._relaycore.GapTally",
+    .tp_doc = "GapTally(quiet, busy, upstream, more)(gap, n): GatedExchange._tokens, compiled.",
+    .tp_basicsize = sizeof(GapTally),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(GapTally, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = tally_new,
+    .tp_init = (initproc)tally_init,
+    .tp_traverse = (traverseproc)tally_traverse,
+    .tp_clear = (inquiry)tally_clear,
+    .tp_dealloc = (destructor)tally_dealloc,
+};
+
 static PyMethodDef module_methods[] = {
     {"plain_events", plain_events, METH_O,
      "plain_events(data: bytes) -> int: how many one-line content events the read is exactly, or 0."},
@@ -475,7 +774,7 @@ intern_names(void)
         {&s_write_paused, "write_paused"}, {&s_transport, "transport"}, {&s_write, "write"},
         {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_take, "take"},
         {&s_feed, "feed"}, {&s_filter, "filter"}, {&s_clock, "clock"}, {&s_tokens, "tokens"},
-        {&s_last_at, "last_at"}, {&s_on_tokens, "on_tokens"},
+        {&s_last_at, "last_at"}, {&s_on_tokens, "on_tokens"}, {&s_large_in_flight, "large_in_flight"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)
@@ -486,12 +785,15 @@ intern_names(void)
 PyMODINIT_FUNC
 PyInit__relaycore(void)
 {
-    if (intern_names() < 0 || PyType_Ready(&DirectRelayType) < 0)
+    if (intern_names() < 0 || PyType_Ready(&DirectRelayType) < 0 || PyType_Ready(&HistogramType) < 0
+        || PyType_Ready(&GapTallyType) < 0 || (zero = PyLong_FromLong(0)) == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "DirectRelay", (PyObject *)&DirectRelayType) < 0) {
+    if (PyModule_AddObjectRef(module, "DirectRelay", (PyObject *)&DirectRelayType) < 0
+        || PyModule_AddObjectRef(module, "Histogram", (PyObject *)&HistogramType) < 0
+        || PyModule_AddObjectRef(module, "GapTally", (PyObject *)&GapTallyType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -51,11 +51,12 @@ from .exchange import GatedExchange, PassthroughExchange, client_headers, prepar
 from .gate import Gate
 from .gateway import add_held, upstream_page
 from .labels import OutcomeKind
+from . import metrics as metrics_module
 from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .predict import Predictor
 from .prefix_memory import PrefixMemory
-from .relaycore import relay_factory
+from .relaycore import gap_tally_type, relay_factory
 from .routing import Routing
 from .settings import Settings
 from .state import AppState
@@ -144,6 +145,7 @@ def build_state(
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
                      predictor=predictor, bodies=body_reader(settings))
     state.direct_relay, state.relay_core = direct_relay, relay_core
+    state.gap_tally = gap_tally_type(relay_core, metrics_module.histogram_child)
     policy.chooser = state.choose_slice
     state_ref.append(state)
     metrics.bytes_per_token.set(settings.bytes_per_token)

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from starlette.requests import ClientDisconnect
 
@@ -433,7 +433,7 @@ class GatedExchange(Exchange):
             raise UpstreamProtocolError(f"upstream {upstream} ended the stream before [DONE]")
 
     async def _relay_stream(self, send, resp: Answered, upstream: str) -> None:
-        observer = self.observer = StreamObserver(self._first_content, self._tokens, drop_usage=self.req.drop_usage,
+        observer = self.observer = StreamObserver(self._first_content, self._token_hook(), drop_usage=self.req.drop_usage,
                                                   splitter=self._splitter())
         await self.start(send, 200, response_headers(resp, upstream))
 
@@ -448,7 +448,7 @@ class GatedExchange(Exchange):
 
     async def _relay_assembled(self, send, resp: Answered, upstream: str) -> None:
         """Stream from upstream (to see the phase), answer the client with one JSON body."""
-        observer = self.observer = StreamObserver(self._first_content, self._tokens, splitter=self._splitter())
+        observer = self.observer = StreamObserver(self._first_content, self._token_hook(), splitter=self._splitter())
         assembler = Assembler(self.req.endpoint)
         limit, seen = self.state.settings.max_upstream_body_bytes, 0
 
@@ -489,11 +489,28 @@ class GatedExchange(Exchange):
     def _splitter(self) -> SSESplitter:
         return SSESplitter(self.state.settings.max_upstream_event_bytes)
 
+    def _token_hook(self) -> Callable[[float, int], Any]:
+        """The stream observer's per-read callback: ``_tokens``, or where the relay's core is
+        compiled its compiled twin (``relaycore.gap_tally_type``), which the compiled relay
+        calls without a Python frame; ``_more_tokens`` only where there is more to feed."""
+        tally = self.state.gap_tally
+        if tally is None:
+            return self._tokens
+        lease = self.lease
+        more = self._more_tokens if lease.closed_loop or self._feed_predictor else None
+        return tally(self._itl[False], self._itl[True], lease.upstream_state, more)
+
     def _tokens(self, gap: float, n: int) -> None:
         """``n`` content chunks in one read, the first ``gap`` seconds after the previous."""
         lease = self.lease
         self._itl[lease.upstream_state.large_in_flight > 0].observe_run(gap, n)
-        if lease.closed_loop:  # (token_gap tests it too; here it saves a call a read)
+        if lease.closed_loop or self._feed_predictor:
+            self._more_tokens(gap, n)
+
+    def _more_tokens(self, gap: float, n: int) -> None:
+        """What a read's gap feeds past the histogram: the closed loop, the predictor."""
+        lease = self.lease
+        if lease.closed_loop:
             lease.token_gap(gap, n)
         if self._feed_predictor:
             self.state.predictor.gap(lease.upstream, gap, n)

@@ -73,7 +73,7 @@ class Metrics:
             "(usage.prompt_tokens_details.cached_tokens): evicted, so their class may be wrong.",
             registry=r)
         self.ttft = LoopHistogram(p + "ttft_seconds", "Time to first content chunk, measured by the proxy.",
-                                  ["class"], buckets=_WAIT[:1] + _LATENCY[4:], registry=r)
+                                  ["class"], buckets=_LATENCY[4:], registry=r)
         self.itl = LoopHistogram(p + "itl_seconds", "Gap between content chunks of one stream, measured by the proxy.",
                                  ["class", "large_prefill_in_flight"], buckets=_LATENCY, registry=r)
         self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by kind.",
@@ -198,10 +198,13 @@ class LoopHistogram(_LoopMetric):
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (), *, buckets: Iterable[float],
                  registry: CollectorRegistry):
         self._bounds = tuple(float(b) for b in buckets)
+        if any(not a < b for a, b in zip(self._bounds, self._bounds[1:])):
+            # (a bound twice is one bucket series twice in a scrape: Prometheus drops the sample)
+            raise ValueError(f"{name}: bucket bounds must be strictly ascending, got {self._bounds}")
         super().__init__(name, documentation, labelnames, registry=registry)
 
     def _child(self) -> "_HistogramChild":
-        return _HistogramChild(self._bounds)
+        return histogram_child(self._bounds)
 
     def observe(self, value: float) -> None:
         self._only.observe(value)
@@ -266,3 +269,17 @@ class _HistogramChild:
         if n > 1:
             self.counts[bisect.bisect_left(self._bounds, 0.0)] += n - 1
         self.sum += value
+
+
+def _compiled_child() -> type | None:
+    try:
+        from ._relaycore import Histogram
+    except ImportError:
+        return None
+    return Histogram
+
+
+# Each LoopHistogram's children: the compiled twin of _HistogramChild where the relay's core
+# was built (the same counts and sum from the same observations, tests/test_metrics.py; the
+# per-read gap observations then take no Python frame, proxy/relaycore.py gap_tally_type).
+histogram_child: type = _compiled_child() or _HistogramChild

@@ -9,7 +9,10 @@ the chunk's framing and the write. ``proxy/_relaycore.c`` runs the same in one c
 (``StreamObserver.counted``'s few steps included; the splitter and ``filter`` for a read
 that is not plain content stay Python), and, on the upstream connections the app then opens
 (``fasthttp.FramedConnection``), takes a read that is whole chunks of the chunked body
-without the HTTP parser. What that saves a read and a chunk is measured in
+without the HTTP parser. The read's token gaps go to the exchange's hook, which with the
+compiled core is compiled too (``_relaycore.GapTally`` over the histogram children of
+``proxy.metrics``, ``_relaycore.Histogram``; ``gap_tally_type``): a read of plain content
+takes no Python frame of its own then. What that saves a read and a chunk is measured in
 ``docs/RESULTS.md`` 3l and 3m (``bench/relay_read.py``, ``bench/relay_router.py
 --python-core``). The two behave alike to the byte (``tests/test_relaycore.py``,
 ``tests/test_fasthttp.py``).
@@ -68,3 +71,15 @@ def relay_factory(choice: str) -> tuple[RelayFactory, str]:
         return direct(writer.cycle, observer)
 
     return compiled_relay, "compiled"
+
+
+def gap_tally_type(core: str, child_type: type) -> type | None:
+    """The compiled per-read token hook (``_relaycore.GapTally``, ``GatedExchange._tokens``
+    step for step, which the compiled relay calls without a Python frame) where ``core`` is
+    "compiled" and the histograms' children (``child_type``) are the compiled ones; else None."""
+    if core != "compiled":
+        return None
+    module = compiled_module()
+    if isinstance(module, ImportError) or child_type is not module.Histogram:
+        return None
+    return module.GapTally

@@ -40,6 +40,7 @@ class AppState:
     bodies: BodyReader | None = None
     direct_relay: RelayFactory = python_relay  # the relay's read callbacks (relay_core)
     relay_core: str = "python"  # which: "compiled" or "python"
+    gap_tally: type | None = None  # the compiled per-read token hook (relaycore.gap_tally_type), or None
 
     @property
     def health(self) -> dict[str, bool]:

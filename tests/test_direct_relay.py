@@ -209,6 +209,34 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_on_the_direct
 
 
 @pytest.mark.parametrize("core", RELAY_CORES)
+async def test_each_reads_gaps_reach_the_histogram_the_closed_loop_and_the_predictor(core):
+    """With the closed loop and slicing on, every gap after a stream's first content chunk
+    feeds all three, read by read, with either relay core (the compiled one hands them to
+    its compiled twin of the exchange's per-read hook, relaycore.gap_tally_type)."""
+    if core == "compiled":
+        compiled_core()
+    events = [sse(i) for i in range(300)] + [b"data: [DONE]\n\n"]
+    server, url, stream, _ = await sse_upstream(events, random.Random(4))
+    state = make_state(upstreams=[url], relay_core=core, itl_slo_ms=50, slicing="on")
+    assert (state.gap_tally is not None) == (core == "compiled")
+    fed = []
+    observe = state.policy.observe_itl
+
+    def feeding(upstream, seconds, n=1):
+        fed.append(n)
+        return observe(upstream, seconds, n)
+
+    state.policy.observe_itl = feeding
+    async with server, serve(create_app(state, health_checks=False)) as proxy:
+        assert dechunk(await post_raw(proxy, "/v1/chat/completions", CHAT)) == stream
+    count = state.metrics.registry.get_sample_value(
+        "prefill_gate_itl_seconds_count", {"class": "interactive", "large_prefill_in_flight": "false"})
+    assert count == 299
+    assert sum(fed) == 299 and len(fed) > 1  # (one call a read)
+    assert state.predictor.gaps_seen(url) == 299
+
+
+@pytest.mark.parametrize("core", RELAY_CORES)
 async def test_the_direct_path_leaves_no_reference_cycles(core):
     """As through send (tests/test_relay.py): a request's objects go by reference counting
     when it ends, the read callback included (its connection, pooled, lets go of it), with

@@ -1,13 +1,30 @@
 """The proxy's own metrics (LoopHistogram, LoopCounter) export exactly what prometheus_client's would."""
 
+import math
 import random
+from types import SimpleNamespace
 
 import pytest
-
+from hypothesis import given, strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from proxy import metrics
 from proxy.labels import OutcomeKind
-from proxy.metrics import _LATENCY, LoopCounter, LoopHistogram
+from proxy.metrics import _LATENCY, LoopCounter, LoopHistogram, Metrics, _HistogramChild
+from proxy.relaycore import compiled_module
+
+_core = compiled_module()
+compiled = pytest.mark.skipif(isinstance(_core, ImportError), reason=f"the compiled core did not build: {_core}")
+CHILDREN = [pytest.param(_HistogramChild, id="python"),
+            pytest.param(getattr(_core, "Histogram", None), id="compiled", marks=compiled)]
+
+
+@pytest.fixture(autouse=True, params=CHILDREN)
+def child(request, monkeypatch):
+    """Every test here runs with each histogram child: Python's, and the compiled twin the
+    proxy takes where the relay's core was built."""
+    monkeypatch.setattr(metrics, "histogram_child", request.param)
+    return request.param
 
 
 def test_loop_histogram_exposition_matches_prometheus_clients_histogram():
@@ -118,3 +135,86 @@ def test_collector_pauses_are_timed_by_generation():
     after = count("2")
     gc.collect()
     assert count("2") == after
+
+
+def test_the_proxys_exposition_has_each_series_once(child):
+    """Every metric the proxy exports, after an observation in each: no series twice (a
+    bucket bound given twice made two ``le`` series of one name, which Prometheus drops)."""
+    registry = CollectorRegistry()
+    m = Metrics(registry, ["http://u"])
+    for h in vars(m).values():
+        if isinstance(h, LoopHistogram):
+            (h.labels(*("x",) * len(h._labelnames)) if h._labelnames else h).observe(0.02)
+    lines = [line for line in generate_latest(registry).splitlines() if not line.startswith(b"#")]
+    names = [line.rsplit(b" ", 1)[0] for line in lines]
+    assert len(names) == len(set(names))
+    with pytest.raises(ValueError, match="strictly ascending"):
+        LoopHistogram("y_seconds", "y", buckets=(0.01, 0.01, 0.1), registry=CollectorRegistry())
+
+
+_values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2 ** 40), 2 ** 40),
+                    st.sampled_from(list(_LATENCY) + [0.0, -0.0]))
+
+
+@compiled
+@given(st.lists(st.tuples(_values, st.integers(-3, 70)), max_size=60))
+def test_the_compiled_child_counts_as_pythons(observations):
+    """The same observations (bucket edges, zeros, negatives, infinities, NaN, ints; runs of
+    any length) give the same counts and sum."""
+    ours, theirs = _core.Histogram(_LATENCY), _HistogramChild(tuple(float(b) for b in _LATENCY))
+    for i, (value, n) in enumerate(observations):
+        if i % 2:
+            ours.observe(value)
+            theirs.observe(value)
+        else:
+            ours.observe_run(value, n)
+            theirs.observe_run(value, n)
+    assert ours.counts == theirs.counts
+    assert ours.sum == theirs.sum or (math.isnan(ours.sum) and math.isnan(theirs.sum))
+
+
+@compiled
+def test_the_compiled_child_refuses_what_python_refuses():
+    with pytest.raises(TypeError):
+        _core.Histogram((0.1,)).observe("0.5")
+    with pytest.raises(TypeError):
+        _core.Histogram((0.1,)).observe_run(0.5)
+    with pytest.raises(ValueError, match="ascending"):
+        _core.Histogram((0.1, 0.05))
+    with pytest.raises(TypeError, match="not called"):
+        _core.Histogram.__new__(_core.Histogram).observe(1.0)
+
+
+@compiled
+def test_the_compiled_gap_tally_is_the_exchanges_tokens():
+    """GapTally(quiet, busy, upstream, more)(gap, n): observed in ``busy`` while the upstream
+    has a large prefill in flight, else in ``quiet``, then ``more(gap, n)`` (GatedExchange._tokens)."""
+    quiet, busy = _core.Histogram(_LATENCY), _core.Histogram(_LATENCY)
+    upstream, fed = SimpleNamespace(large_in_flight=0), []
+    tally = _core.GapTally(quiet, busy, upstream, lambda gap, n: fed.append((gap, n)))
+    reference = {False: _HistogramChild(quiet_bounds := tuple(float(b) for b in _LATENCY)),
+                 True: _HistogramChild(quiet_bounds)}
+    rng = random.Random(11)
+    for _ in range(300):
+        upstream.large_in_flight = rng.choice([0, 0, 1, 2])
+        gap, n = rng.expovariate(80.0), rng.choice([1, 1, 3])
+        assert tally(gap, n) is None
+        reference[upstream.large_in_flight > 0].observe_run(gap, n)
+        assert fed[-1] == (gap, n)
+    assert (quiet.counts, busy.counts) == (reference[False].counts, reference[True].counts)
+    assert (quiet.sum, busy.sum) == (reference[False].sum, reference[True].sum)
+    assert len(fed) == 300
+    alone = _core.GapTally(quiet, busy, upstream, None)
+    alone(0.5, 1)
+    assert len(fed) == 300
+
+    def fails(gap, n):
+        raise RuntimeError("the closed loop failed")
+    with pytest.raises(RuntimeError, match="closed loop"):
+        _core.GapTally(quiet, busy, upstream, fails)(0.1, 1)
+    with pytest.raises(TypeError):
+        tally(0.1)
+    with pytest.raises(TypeError):
+        _core.GapTally(quiet, _HistogramChild((0.1,)), upstream, None)  # compiled children only
+    with pytest.raises(AttributeError):
+        _core.GapTally(quiet, busy, object(), None)(0.1, 1)
