@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from . import metrics as metrics_module
 from .admission import AdmissionPolicy, Limits, Slicing
 from .auth import OPEN_PATHS, KeyCheck
 from .bodies import BodyOptions, BodyReader
@@ -51,7 +52,6 @@ from .exchange import GatedExchange, PassthroughExchange, client_headers, prepar
 from .gate import Gate
 from .gateway import add_held, upstream_page
 from .labels import OutcomeKind
-from . import metrics as metrics_module
 from .metrics import Metrics
 from .openapi import ChatCompletionRequest, CompletionRequest, gated_responses
 from .predict import Predictor
