@@ -111,10 +111,13 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
     from proxy.gate import Lease
     from proxy.listener import ChunkWriter
     from proxy.relay import SSESplitter, StreamObserver
+    from proxy import settings as proxy_settings
     from proxy.settings import load_settings
 
-    state = build_state(load_settings({"upstreams": ["http://upstream.invalid:8000"]}, environ={}),
-                        registry=CollectorRegistry())
+    config = {"upstreams": ["http://upstream.invalid:8000"]}
+    if "relay_core" in getattr(proxy_settings.Settings, "model_fields", {}):  # the app's hooks follow it
+        config["relay_core"] = core
+    state = build_state(load_settings(config, environ={}), registry=CollectorRegistry())
     loop = asyncio.get_running_loop()
     conns, observers = [], []
     for _ in range(streams):
@@ -124,7 +127,10 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
         exchange = GatedExchange(state, req)
         await state.gate._acquire(ticket)
         exchange.lease = Lease(state.gate, ticket)
-        observer = exchange.observer = StreamObserver(exchange._first_content, exchange._tokens, drop_usage=True)
+        # The per-read token hook the app installs: the compiled tally where the core is
+        # compiled (``_token_hook``, 2026-12-03 on), else the exchange's ``_tokens``.
+        hook = exchange._token_hook() if hasattr(exchange, "_token_hook") else exchange._tokens
+        observer = exchange.observer = StreamObserver(exchange._first_content, hook, drop_usage=True)
         splitter, writer = SSESplitter(), ChunkWriter(_Cycle())
         sink = _direct(writer, observer, splitter, core)
         # The connection the app opens for this sink: one that hands it whole chunks where

@@ -48,10 +48,12 @@
 #include <Python.h>
 #include <stddef.h>
 #include <string.h>
+#include <structmember.h>
 
 static PyObject *s_response_started, *s_chunked_encoding, *s_response_complete, *s_disconnected, *s_flow,
     *s_write_paused, *s_transport, *s_write, *s_first_at, *s_splitter, *s_held, *s_take, *s_feed, *s_filter,
-    *s_clock, *s_tokens, *s_last_at, *s_on_tokens, *s_large_in_flight;
+    *s_clock, *s_tokens, *s_last_at, *s_on_tokens, *s_large_in_flight, *s_done, *s_time, *s_append, *s_sink_failed,
+    *s_hand_over, *s_parse_read;
 
 static const char EVENT_HEAD[] = "data: {";        /* how a plain content event starts */
 static const char EVENT_JOIN[] = "\n\ndata: {";    /* the seam between two of them in one read */
@@ -292,12 +294,17 @@ framed(PyObject *body)
     Py_buffer view;
     if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    char size[2 * sizeof(Py_ssize_t) + 1];
-    int digits = snprintf(size, sizeof(size), "%zx", (size_t)view.len);
+    char size[2 * sizeof(size_t)];  /* the length in lowercase hex, no leading zeros ("%zx") */
+    int digits = 0;
+    size_t left = (size_t)view.len;
+    do {
+        size[sizeof(size) - 1 - digits++] = "0123456789abcdef"[left & 15];
+        left >>= 4;
+    } while (left != 0);
     PyObject *out = PyBytes_FromStringAndSize(NULL, digits + 2 + view.len + 2);
     if (out != NULL) {
         char *p = PyBytes_AS_STRING(out);
-        memcpy(p, size, (size_t)digits);
+        memcpy(p, size + sizeof(size) - digits, (size_t)digits);
         memcpy(p + digits, "\r\n", 2);
         memcpy(p + digits + 2, view.buf, (size_t)view.len);
         memcpy(p + digits + 2 + view.len, "\r\n", 2);
@@ -751,6 +758,208 @@ static PyTypeObject GapTallyType = {
     .tp_dealloc = (destructor)tally_dealloc,
 };
 
+/* ---------------------------------------------------------------- FramedReads */
+
+/* The base of proxy/fasthttp.py's FramedConnection: the state its per-read step reads, kept
+   here (the Python code reads and sets it as attributes, as on any connection), and that
+   step, ``data_received``. Where the connection is between two chunks of a chunked body,
+   its reader parked with nothing queued, a read goes to the sink's ``chunked`` first;
+   anything that does not take goes to ``_parse_read`` (the HTTP parser's path, Python). */
+typedef struct {
+    PyObject_HEAD
+    char at_boundary;        /* between two chunks, past the head, the answer not complete */
+    PyObject *sink_chunked;  /* None, or callable(read) -> None | True | bytes */
+    PyObject *chunks;        /* the body bytes queued for the reader (a deque) */
+    Py_ssize_t buffered;     /* their length */
+    PyObject *waiter;        /* None, or the parked reader's future */
+    PyObject *timer;         /* None, or the read deadline's check (a TimerHandle) */
+    double deadline;         /* of the current wait (loop time) */
+    PyObject *loop;          /* None until the first wait */
+    PyObject *wait_timeout;  /* the current wait's timeout (seconds) or None */
+} FramedReads;
+
+/* Is ``obj`` set (neither NULL, where never set or deleted, nor None)? */
+static inline int
+is_set(PyObject *obj)
+{
+    return obj != NULL && obj != Py_None;
+}
+
+/* The reader is parked on ``waiter`` (a future not yet done): 1, 0, or -1 with an exception set. */
+static int
+parked(PyObject *waiter)
+{
+    if (!is_set(waiter))
+        return 0;
+    PyObject *done = PyObject_CallMethodNoArgs(waiter, s_done);
+    if (done == NULL)
+        return -1;
+    int is_done = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    return is_done < 0 ? -1 : !is_done;
+}
+
+/* ``self.<name>()`` for its effect: 0, or -1 with an exception set. */
+static int
+call_method(PyObject *self, PyObject *name, PyObject *arg)
+{
+    PyObject *r = arg == NULL ? PyObject_CallMethodNoArgs(self, name) : PyObject_CallMethodOneArg(self, name, arg);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* The sink raised (an Exception; anything else goes on up): ``self._sink_failed(exc)``, then
+   ``self._hand_over()``, as the Python path's ``except Exception`` does. */
+static PyObject *
+sink_raised(FramedReads *self)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+#endif
+    int rc = call_method((PyObject *)self, s_sink_failed, exc);
+    Py_DECREF(exc);
+    if (rc < 0 || call_method((PyObject *)self, s_hand_over, NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Bytes came: the read deadline moves, ``self._deadline = self._loop.time() + self._wait_timeout``,
+   while a deadline's check is armed. 0, or -1 with an exception set. */
+static int
+deadline_moved(FramedReads *self)
+{
+    if (!is_set(self->timer))
+        return 0;
+    if (self->loop == NULL || self->wait_timeout == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a read deadline is armed without its loop and timeout");
+        return -1;
+    }
+    PyObject *now = PyObject_CallMethodNoArgs(self->loop, s_time);
+    if (now == NULL)
+        return -1;
+    PyObject *deadline = PyNumber_Add(now, self->wait_timeout);
+    Py_DECREF(now);
+    if (deadline == NULL)
+        return -1;
+    double d = PyFloat_AsDouble(deadline);
+    Py_DECREF(deadline);
+    if (d == -1.0 && PyErr_Occurred())
+        return -1;
+    self->deadline = d;
+    return 0;
+}
+
+static PyObject *
+framed_data_received(FramedReads *self, PyObject *data)
+{
+    if (self->at_boundary && is_set(self->sink_chunked) && self->chunks != NULL) {
+        Py_ssize_t queued = PyObject_Size(self->chunks);
+        int waiting = queued < 0 ? -1 : queued == 0 ? parked(self->waiter) : 0;
+        if (waiting < 0)
+            return NULL;
+        if (waiting) {  /* the reader is parked, nothing queued: whole chunks go to the sink, unparsed */
+            PyObject *taken = PyObject_CallOneArg(self->sink_chunked, data);
+            if (taken == NULL)
+                return sink_raised(self);
+            if (taken == Py_True) {
+                Py_DECREF(taken);
+                if (deadline_moved(self) < 0)
+                    return NULL;
+                Py_RETURN_NONE;
+            }
+            if (taken != Py_None) {  /* whole chunks, their payloads left for the reader */
+                Py_ssize_t size = PyObject_Size(taken);
+                int rc = size < 0 ? -1 : call_method(self->chunks, s_append, taken);
+                Py_DECREF(taken);
+                if (rc < 0)
+                    return NULL;
+                self->buffered += size;
+                if (call_method((PyObject *)self, s_hand_over, NULL) < 0)
+                    return NULL;
+                Py_RETURN_NONE;
+            }
+            Py_DECREF(taken);
+        }
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, s_parse_read, data);
+}
+
+static PyMethodDef framed_methods[] = {
+    {"data_received", (PyCFunction)framed_data_received, METH_O,
+     "asyncio.Protocol.data_received: whole chunks to the sink's ``chunked`` where the reader is parked "
+     "between two chunks, else ``self._parse_read(data)``."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef framed_members[] = {
+    {"at_boundary", T_BOOL, offsetof(FramedReads, at_boundary), 0, NULL},
+    {"sink_chunked", T_OBJECT, offsetof(FramedReads, sink_chunked), 0, NULL},
+    {"chunks", T_OBJECT, offsetof(FramedReads, chunks), 0, NULL},
+    {"buffered", T_PYSSIZET, offsetof(FramedReads, buffered), 0, NULL},
+    {"waiter", T_OBJECT, offsetof(FramedReads, waiter), 0, NULL},
+    {"_timer", T_OBJECT, offsetof(FramedReads, timer), 0, NULL},
+    {"_deadline", T_DOUBLE, offsetof(FramedReads, deadline), 0, NULL},
+    {"_loop", T_OBJECT, offsetof(FramedReads, loop), 0, NULL},
+    {"_wait_timeout", T_OBJECT, offsetof(FramedReads, wait_timeout), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int
+framed_traverse(FramedReads *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sink_chunked);
+    Py_VISIT(self->chunks);
+    Py_VISIT(self->waiter);
+    Py_VISIT(self->timer);
+    Py_VISIT(self->loop);
+    Py_VISIT(self->wait_timeout);
+    return 0;
+}
+
+static int
+framed_clear(FramedReads *self)
+{
+    Py_CLEAR(self->sink_chunked);
+    Py_CLEAR(self->chunks);
+    Py_CLEAR(self->waiter);
+    Py_CLEAR(self->timer);
+    Py_CLEAR(self->loop);
+    Py_CLEAR(self->wait_timeout);
+    return 0;
+}
+
+static void
+framed_dealloc(FramedReads *self)
+{
+    PyObject_GC_UnTrack(self);
+    framed_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject FramedReadsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "proxy._relaycore.FramedReads",
+    .tp_doc = "The base of proxy.fasthttp.FramedConnection: its per-read state and data_received, compiled.",
+    .tp_basicsize = sizeof(FramedReads),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)framed_traverse,
+    .tp_clear = (inquiry)framed_clear,
+    .tp_dealloc = (destructor)framed_dealloc,
+    .tp_methods = framed_methods,
+    .tp_members = framed_members,
+};
+
 static PyMethodDef module_methods[] = {
     {"plain_events", plain_events, METH_O,
      "plain_events(data: bytes) -> int: how many one-line content events the read is exactly, or 0."},
@@ -775,6 +984,8 @@ intern_names(void)
         {&s_first_at, "first_at"}, {&s_splitter, "splitter"}, {&s_held, "held"}, {&s_take, "take"},
         {&s_feed, "feed"}, {&s_filter, "filter"}, {&s_clock, "clock"}, {&s_tokens, "tokens"},
         {&s_last_at, "last_at"}, {&s_on_tokens, "on_tokens"}, {&s_large_in_flight, "large_in_flight"},
+        {&s_done, "done"}, {&s_time, "time"}, {&s_append, "append"}, {&s_sink_failed, "_sink_failed"},
+        {&s_hand_over, "_hand_over"}, {&s_parse_read, "_parse_read"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)
@@ -786,14 +997,16 @@ PyMODINIT_FUNC
 PyInit__relaycore(void)
 {
     if (intern_names() < 0 || PyType_Ready(&DirectRelayType) < 0 || PyType_Ready(&HistogramType) < 0
-        || PyType_Ready(&GapTallyType) < 0 || (zero = PyLong_FromLong(0)) == NULL)
+        || PyType_Ready(&GapTallyType) < 0 || PyType_Ready(&FramedReadsType) < 0
+        || (zero = PyLong_FromLong(0)) == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "DirectRelay", (PyObject *)&DirectRelayType) < 0
         || PyModule_AddObjectRef(module, "Histogram", (PyObject *)&HistogramType) < 0
-        || PyModule_AddObjectRef(module, "GapTally", (PyObject *)&GapTallyType) < 0) {
+        || PyModule_AddObjectRef(module, "GapTally", (PyObject *)&GapTallyType) < 0
+        || PyModule_AddObjectRef(module, "FramedReads", (PyObject *)&FramedReadsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

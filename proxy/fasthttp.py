@@ -25,7 +25,8 @@ What it does and does not do:
     the request was processed).
   * Where the relay's sink takes them (the compiled core's), a chunked body's reads that are
     nothing but whole chunks skip the parser (``FramedConnection``): httptools' ``on_body``
-    and the hand-over to the sink were two of the per-read path's seven Python calls.
+    and the hand-over to the sink were two of the per-read path's seven Python calls, and
+    that connection's ``data_received`` is compiled too, so such a read runs no Python.
     Everything else, the last chunk included, is the parser's.
   * No proxies from the environment, no HTTP/2, no request body streaming beyond
     reading it whole (the proxy's bodies are bounded by max_body_bytes).
@@ -40,6 +41,11 @@ import time
 
 import httptools
 import httpx
+
+try:  # the relay's compiled core, where the install built it (proxy/relaycore.py)
+    from ._relaycore import FramedReads as _FramedReads
+except ImportError:
+    _FramedReads = None
 
 HIGH_WATER = 1 << 20  # unread body bytes per connection before the socket is paused
 MAX_HEAD_BYTES = 64 * 1024  # defaults: a response head (status line and headers) longer than this is refused
@@ -165,24 +171,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self.at_boundary and self.sink_chunked is not None and not self.chunks \
-                and (w := self.waiter) is not None and not w.done():
-            # The reader is parked, nothing queued: whole chunks go to the sink, unparsed.
-            try:
-                taken = self.sink_chunked(data)
-            except Exception as exc:
-                self._sink_failed(exc)
-                self._hand_over()
-                return
-            if taken is True:
-                if self._timer is not None:  # bytes came: the read deadline moves (as in _to_sink)
-                    self._deadline = self._loop.time() + self._wait_timeout
-                return
-            if taken is not None:  # whole chunks, their payloads left for the reader
-                self.chunks.append(taken)
-                self.buffered += len(taken)
-                self._hand_over()
-                return
+        """A read: the HTTP parser's (``FramedConnection`` offers whole chunks to the sink first)."""
         if not self.in_use or self.complete:
             # Unasked-for bytes (a second answer on a pooled keep-alive, or after this one's
             # end) belong to no request: never hand this connection out again.
@@ -205,6 +194,8 @@ class _Connection(asyncio.Protocol):
                 and not self.waiter.done() and not self._to_sink():
             return  # taken in this callback; the reader waits on
         self._hand_over()
+
+    _parse_read = data_received  # (FramedConnection's data_received falls back to it)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -362,17 +353,24 @@ class _Connection(asyncio.Protocol):
         return self.complete and not self.closed and self.error is None and self.keep_alive
 
 
-class FramedConnection(_Connection):
-    """A connection that knows where a chunked body's chunks begin (httptools' chunk
-    callbacks): between two of them, a parked reader's sink may take whole chunks without the
-    parser (``body_sink``). Only where the sink can (the compiled relay): the two callbacks
-    cost two Python calls a chunk the parser handles."""
+if _FramedReads is not None:
+    class FramedConnection(_FramedReads, _Connection):
+        """A connection that knows where a chunked body's chunks begin (httptools' chunk
+        callbacks): between two of them, a parked reader's sink may take whole chunks without
+        the parser (``body_sink``). Its ``data_received`` and the state that step reads
+        (``at_boundary``, ``sink_chunked``, ``chunks``, ``buffered``, ``waiter`` and the read
+        deadline's) are compiled (``proxy._relaycore.FramedReads``): a read of whole chunks
+        takes no Python frame on its way to the sink. What the sink leaves goes to
+        ``_parse_read``, the parser's path. Only where the sink can (the compiled relay's):
+        the two callbacks cost two Python calls a chunk the parser handles."""
 
-    def on_chunk_header(self) -> None:
-        self.at_boundary = False
+        def on_chunk_header(self) -> None:
+            self.at_boundary = False
 
-    def on_chunk_complete(self) -> None:
-        self.at_boundary = True  # (after the last chunk, on_message_complete takes it back)
+        def on_chunk_complete(self) -> None:
+            self.at_boundary = True  # (after the last chunk, on_message_complete takes it back)
+else:
+    FramedConnection = None  # no compiled core: the parser takes every read
 
 
 class _ResponseStream(httpx.AsyncByteStream):
@@ -434,6 +432,8 @@ class FastTransport(httpx.AsyncBaseTransport):
                  framed: bool = False) -> None:
         self._head_limits = (max_head_bytes, max_headers)
         # FramedConnection where the relay's sinks take whole chunks (the compiled core's)
+        if framed and FramedConnection is None:
+            raise RuntimeError("framed upstream connections need the relay's compiled core (proxy._relaycore)")
         self._connection = FramedConnection if framed else _Connection
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._idle: dict[tuple, collections.deque[_Connection]] = {}

@@ -297,6 +297,16 @@ def test_direct_relay_writes_nothing_for_nothing_and_frames_any_bytes_like(core)
             assert written == expect
 
 
+@pytest.mark.parametrize("size", [1, 9, 10, 15, 16, 17, 255, 256, 4095, 4096, 65535, 65536, (1 << 20) + 11])
+def test_direct_relay_frames_every_length_as_python_does(core, size):
+    """A chunk's size line is its length in lowercase hex without leading zeros, at every
+    count of digits (b"%x" % len, as ChunkWriter frames it)."""
+    written = []
+    payload = bytes(range(256)) * (size // 256) + b"q" * (size % 256)
+    assert core.DirectRelay(_cycle(written), _observer_giving(lambda d: payload))(b"data") is True
+    assert written == [b"%x\r\n%s\r\n" % (size, payload)]
+
+
 def test_direct_relay_raises_what_its_callbacks_raise(core):
     """An error in the observer or in the write reaches the upstream connection's callback
     (which fails the response: proxy/fasthttp.py), nothing swallowed."""
