@@ -42,7 +42,15 @@
          ``n`` content chunks in one read, ``gap`` seconds after the previous, observed in
          ``busy`` while ``upstream.large_in_flight > 0``, else in ``quiet`` (two Histograms);
          then ``more(gap, n)`` unless ``more`` is None (the closed loop, the predictor).
-         Where DirectRelay counts a read, it calls this without a Python frame. */
+         Where DirectRelay counts a read, it calls this without a Python frame.
+
+     FramedReads
+         the base of proxy/fasthttp.py's FramedConnection: the fields its per-read step reads
+         (at_boundary, sink_chunked, chunks, buffered, waiter, the read deadline's) as C
+         members, and that step, ``data_received``: a read offered to ``sink_chunked`` where
+         the reader is parked between two chunks with nothing queued (taken: the deadline
+         moved; payloads handed back: queued, the reader woken); anything else to
+         ``_parse_read``, the parser's path. Step for step the Python it replaced. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

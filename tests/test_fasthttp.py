@@ -725,6 +725,13 @@ async def test_a_framed_connection_keeps_no_references_and_goes_at_a_collection(
     assert gone() is None
 
 
+def test_framed_connections_without_the_compiled_core_are_refused(monkeypatch):
+    monkeypatch.setattr(fasthttp, "FramedConnection", None)
+    with pytest.raises(RuntimeError, match="compiled core"):
+        FastTransport(framed=True)
+    assert FastTransport()._connection is fasthttp._Connection
+
+
 async def test_only_the_compiled_core_gets_framed_connections():
     """The app opens FramedConnections where its relay's sink takes whole chunks (the
     compiled core), plain ones for Python's (whose callbacks would cost it two calls a
