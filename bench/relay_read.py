@@ -112,12 +112,11 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
     from proxy.listener import ChunkWriter
     from proxy.relay import SSESplitter, StreamObserver
     from proxy import settings as proxy_settings
-    from proxy.settings import load_settings
 
     config = {"upstreams": ["http://upstream.invalid:8000"]}
     if "relay_core" in getattr(proxy_settings.Settings, "model_fields", {}):  # the app's hooks follow it
         config["relay_core"] = core
-    state = build_state(load_settings(config, environ={}), registry=CollectorRegistry())
+    state = build_state(proxy_settings.load_settings(config, environ={}), registry=CollectorRegistry())
     loop = asyncio.get_running_loop()
     conns, observers = [], []
     for _ in range(streams):
