@@ -67,12 +67,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def router_argv(binary: str, worker: str, port: int, metrics_port: int) -> list[str]:
+    """vllm-router's command line: round robin over one worker. Its Prometheus exporter is
+    on unless told otherwise and binds 29000 by default, where a router left over from an
+    interrupted run (it renames itself ``vllm::router``) makes the next one panic; so each
+    gets a free port of its own, on loopback."""
+    return [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
+            "--policy", "round_robin", "--log-level", "warning",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+
+
 def router(binary: str, worker: str, cpus: set[int] | None) -> Service:
     """vllm-router in front of one worker, on its own port."""
     port = free_port()
+    metrics_port = free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
     return Service(name="vllm-router", port=port, cpus=cpus, timeout=60,
-                   argv=[binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
-                         "--policy", "round_robin", "--log-level", "warning"])
+                   argv=router_argv(binary, worker, port, metrics_port))
 
 
 def baselines_of(dirs: list[str], commits: list[str]) -> list[dict]:

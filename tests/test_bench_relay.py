@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import subprocess
 
@@ -92,8 +93,6 @@ def test_relay_read_times_reads_that_went_all_the_way_through(core):
 
 
 def test_relay_read_records_every_case_against_a_baseline(tmp_path):
-    import json
-
     out = tmp_path / "read.json"
     _bench("relay_read").main(["--streams", "1,2", "--events", "1,3", "--rounds", "2", "--reads", "20",
                                "--cores", "python", "--baseline", str(ROOT), "--baseline-commit", "same",
@@ -142,6 +141,58 @@ def test_a_level_runs_again_until_enough_first_tokens():
     assert [rounds_for(n) for n in (1, 3, 20, 32, 512)] == [20, 7, 1, 1, 1]
     assert [rounds_for(n, 200) for n in (1, 32, 128, 512)] == [200, 7, 2, 1]
     assert all(rounds_for(n, k) * n >= k for n in range(1, 600, 7) for k in (1, 20, 200))
+
+
+FAKE_ROUTER = """\
+import argparse, http.server, json, socket, sys
+ap = argparse.ArgumentParser()
+for flag in ("--host", "--worker-urls", "--policy", "--log-level", "--prometheus-host"):
+    ap.add_argument(flag)
+ap.add_argument("--port", type=int)
+ap.add_argument("--prometheus-port", type=int, default=29000)  # vllm-router's default
+args = ap.parse_args()
+metrics = socket.create_server((args.prometheus_host or "0.0.0.0", args.prometheus_port))  # as vllm-router: panics if taken
+with open(sys.argv[0] + ".argv", "w") as f:
+    json.dump(sys.argv[1:], f)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.HTTPServer((args.host, args.port), Health).serve_forever()
+"""
+
+
+def test_relay_router_gives_vllm_router_a_metrics_port_of_its_own(tmp_path):
+    """vllm-router binds its Prometheus exporter to 29000 unless told otherwise, and a router
+    left over from an interrupted run (renamed ``vllm::router``, so ``pkill -f vllm-router``
+    misses it) made the next run's router panic. Each router now gets a free loopback port:
+    two at once start, each with its own, and neither on 29000."""
+    import sys
+
+    relay_router = _bench("relay_router")
+    argv = relay_router.router_argv("vr", "http://w", 8001, 8002)
+    assert argv[argv.index("--prometheus-port") + 1] == "8002"
+    assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--port") + 1] == "8001" and argv[argv.index("--worker-urls") + 1] == "http://w"
+    fakes = []
+    for i in range(2):
+        fake = tmp_path / f"router{i}"
+        fake.write_text(f"#!{sys.executable}\n" + FAKE_ROUTER)
+        fake.chmod(0o755)
+        fakes.append(fake)
+    with relay_router.router(str(fakes[0]), "http://w", None) as one, \
+            relay_router.router(str(fakes[1]), "http://w", None) as two:
+        got = [json.loads(pathlib.Path(f"{fake}.argv").read_text()) for fake in fakes]
+        ports = [int(a[a.index("--prometheus-port") + 1]) for a in got]
+        assert len(set(ports)) == 2 and 29000 not in ports
+        assert {one.port, two.port}.isdisjoint(ports)
 
 
 def test_relay_router_pairs_each_baseline_with_its_name():
