@@ -45,9 +45,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.bench.overhead import _one_stream  # noqa: E402
-from proxy.bench.report import environment, percentile, table, write_json  # noqa: E402
-from proxy.bench.services import Service  # noqa: E402
+from prefill_gate.proxy.bench.overhead import _one_stream  # noqa: E402
+from prefill_gate.proxy.bench.report import environment, percentile, table, write_json  # noqa: E402
+from prefill_gate.proxy.bench.services import Service  # noqa: E402
 
 COLUMNS = [("target", "target"), ("kind", "big requests"), ("answered", "answered"), ("p50", "delay p50 ms"),
            ("p99", "p99 ms"), ("p999", "p99.9 ms"), ("max", "max ms"),

@@ -14,8 +14,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
-from kernels.aot import all_reports  # noqa: E402
-from proxy.bench.report import environment  # noqa: E402
+from prefill_gate.kernels.aot import all_reports  # noqa: E402
+from prefill_gate.proxy.bench.report import environment  # noqa: E402
 
 
 def main(argv=None) -> int:

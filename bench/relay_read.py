@@ -5,7 +5,7 @@
 
 End to end, a relayed chunk's CPU is mostly the event loop and two syscalls, and it wanders
 by 10-20% from turn to turn on a shared machine (bench/relay_router.py). This isolates the
-rest: a response's upstream connection (``proxy.fasthttp._Connection``) fed one read of
+rest: a response's upstream connection (``prefill_gate.proxy.fasthttp._Connection``) fed one read of
 chunked SSE, through the callback ``GatedExchange._pump`` installs (ChunkWriter's checks, the
 splitter and observer, the ITL histogram, the lease) to a transport that drops the bytes; the
 exchanges, leases and gate are the app's own (``build_state``), only the sockets are gone.
@@ -14,7 +14,7 @@ out of the CPU's caches, as the relay does with hundreds of streams. ``--events`
 read (more than one: reads that coalesced). Each (target, K, events) runs in a process of its
 own, targets alternating, ``--rounds`` times; the table gives the median and the range.
 ``--cores``: the ``relay_core`` settings to run side by side (the compiled callback,
-proxy/_relaycore.c, and Python's). ``--baseline DIR``: another checkout's proxy (``git
+prefill_gate/proxy/_relaycore.c, and Python's). ``--baseline DIR``: another checkout's proxy (``git
 worktree add DIR COMMIT``) beside this one.
 """
 
@@ -66,26 +66,26 @@ class _Cycle:
 
 def _direct(writer, observer, splitter, core: str):
     """The callback the relay installs on the upstream connection: the code's own for the
-    ``relay_core`` setting ``core`` (from proxy/relaycore.py on), or for an older checkout
+    ``relay_core`` setting ``core`` (from prefill_gate/proxy/relaycore.py on), or for an older checkout
     its ``direct_relay`` (46abd42 on: the observer owns its splitter), or what its ``_pump``
     wrote inline (2fab5de and older)."""
     import inspect
     import os
 
-    import proxy.exchange
+    import prefill_gate.proxy.exchange
 
     # (Asked of the checkout's own directory: an editable install of another checkout
     # answers an import of a module this one lacks from that one.)
-    if os.path.exists(os.path.join(os.path.dirname(proxy.__file__), "relaycore.py")):
-        from proxy.relaycore import relay_factory
+    if os.path.exists(os.path.join(os.path.dirname(prefill_gate.proxy.exchange.__file__), "relaycore.py")):
+        from prefill_gate.proxy.relaycore import relay_factory
 
         observer.splitter = splitter
         return relay_factory(core)[0](writer, observer)
-    if hasattr(proxy.exchange, "direct_relay"):
-        if len(inspect.signature(proxy.exchange.direct_relay).parameters) == 2:
+    if hasattr(prefill_gate.proxy.exchange, "direct_relay"):
+        if len(inspect.signature(prefill_gate.proxy.exchange.direct_relay).parameters) == 2:
             observer.splitter = splitter
-            return proxy.exchange.direct_relay(writer, observer)
-        return proxy.exchange.direct_relay(writer, observer, splitter)
+            return prefill_gate.proxy.exchange.direct_relay(writer, observer)
+        return prefill_gate.proxy.exchange.direct_relay(writer, observer, splitter)
 
     def direct(data: bytes) -> bool:
         if not writer.ready():
@@ -103,15 +103,15 @@ async def _per_read(streams: int, events: int, reads: int, core: str = "auto") -
     chunk fed reached the client's transport and was counted by its stream."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.admission import RequestClass, Ticket
-    from proxy.app import build_state
-    from proxy.estimate import Estimate
-    from proxy.exchange import GatedExchange, GatedRequest
-    from proxy import fasthttp
-    from proxy.gate import Lease
-    from proxy.listener import ChunkWriter
-    from proxy.relay import SSESplitter, StreamObserver
-    from proxy import settings as proxy_settings
+    from prefill_gate.proxy.admission import RequestClass, Ticket
+    from prefill_gate.proxy.app import build_state
+    from prefill_gate.proxy.estimate import Estimate
+    from prefill_gate.proxy.exchange import GatedExchange, GatedRequest
+    from prefill_gate.proxy import fasthttp
+    from prefill_gate.proxy.gate import Lease
+    from prefill_gate.proxy.listener import ChunkWriter
+    from prefill_gate.proxy.relay import SSESplitter, StreamObserver
+    from prefill_gate.proxy import settings as proxy_settings
 
     config = {"upstreams": ["http://upstream.invalid:8000"]}
     if "relay_core" in getattr(proxy_settings.Settings, "model_fields", {}):  # the app's hooks follow it
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         _worker(argv[1:])
         return 0
     sys.path.insert(0, str(ROOT))
-    from proxy.bench.report import environment, table, write_json
+    from prefill_gate.proxy.bench.report import environment, table, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,512", help="streams fed in turn")

@@ -4,7 +4,7 @@
         [--levels 1x5,32x5,128x20,512x80] [--tokens 64] [--rounds 2] [--baseline DIR ...] [--floor]
         [--load-procs N] [--upstream-procs N]
 
-One stamping upstream (`proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
+One stamping upstream (`prefill_gate.proxy.bench.overhead`: vLLM-format SSE chunks, each stamped with its
 write time), and three targets: the upstream direct, prefill-gate (defaults) and vllm-router
 (`--policy round_robin`, the one worker). Level `NxMS`: N concurrent streams, one chunk every
 MS ms each (so 512x80 is the same 6,400 chunks/s as 32x5). Every level runs the targets in
@@ -45,9 +45,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from proxy.bench.overhead import measure
-from proxy.bench.report import environment, table, write_json
-from proxy.bench.services import Service, free_port
+from prefill_gate.proxy.bench.overhead import measure
+from prefill_gate.proxy.bench.report import environment, table, write_json
+from prefill_gate.proxy.bench.services import Service, free_port
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -42,8 +42,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from proxy.bench.report import environment, table, write_json
-from proxy.bench.services import Service, free_port
+from prefill_gate.proxy.bench.report import environment, table, write_json
+from prefill_gate.proxy.bench.services import Service, free_port
 from relay_router import measure_relay, router
 
 ROUTER = "vllm-router"

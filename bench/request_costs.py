@@ -33,26 +33,26 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # (module, attribute path): synchronous code that runs once or twice a request.
 TIMED = (
-    ("proxy.http1", "Connection.__init__"),
-    ("proxy.http1", "Connection.connection_made"),
-    ("proxy.http1", "Connection.data_received"),
-    ("proxy.http1", "Connection.on_headers_complete"),
-    ("proxy.http1", "Connection.answered"),
-    ("proxy.http1", "Connection.connection_lost"),
-    ("proxy.app", "path_refusal"),
-    ("proxy.bodies", "_read"),
-    ("proxy.bodies", "parse_body"),
-    ("proxy.bodies", "prefix_hashes"),
-    ("proxy.exchange", "GatedExchange.__init__"),
-    ("proxy.exchange", "GatedExchange._first_content"),
-    ("proxy.exchange", "GatedExchange.finished"),
-    ("proxy.relay", "StreamObserver.filter"),
-    ("proxy.relay", "event_json"),
-    ("proxy.admission", "AdmissionPolicy.submit"),
-    ("proxy.admission", "AdmissionPolicy.finish"),
-    ("proxy.predict", "Predictor.stream_started"),
-    ("proxy.predict", "Predictor.stream_ended"),
-    ("proxy.prefix_memory", "PrefixMemory.remember"),
+    ("prefill_gate.proxy.http1", "Connection.__init__"),
+    ("prefill_gate.proxy.http1", "Connection.connection_made"),
+    ("prefill_gate.proxy.http1", "Connection.data_received"),
+    ("prefill_gate.proxy.http1", "Connection.on_headers_complete"),
+    ("prefill_gate.proxy.http1", "Connection.answered"),
+    ("prefill_gate.proxy.http1", "Connection.connection_lost"),
+    ("prefill_gate.proxy.app", "path_refusal"),
+    ("prefill_gate.proxy.bodies", "_read"),
+    ("prefill_gate.proxy.bodies", "parse_body"),
+    ("prefill_gate.proxy.bodies", "prefix_hashes"),
+    ("prefill_gate.proxy.exchange", "GatedExchange.__init__"),
+    ("prefill_gate.proxy.exchange", "GatedExchange._first_content"),
+    ("prefill_gate.proxy.exchange", "GatedExchange.finished"),
+    ("prefill_gate.proxy.relay", "StreamObserver.filter"),
+    ("prefill_gate.proxy.relay", "event_json"),
+    ("prefill_gate.proxy.admission", "AdmissionPolicy.submit"),
+    ("prefill_gate.proxy.admission", "AdmissionPolicy.finish"),
+    ("prefill_gate.proxy.predict", "Predictor.stream_started"),
+    ("prefill_gate.proxy.predict", "Predictor.stream_ended"),
+    ("prefill_gate.proxy.prefix_memory", "PrefixMemory.remember"),
 )
 COLUMNS = [("function", "function"), ("calls_per_request", "calls/request"), ("us_median", "us a call median"),
            ("us_p90", "p90"), ("us_per_request", "us a request")]
@@ -102,7 +102,7 @@ def _serve(out: str, argv: list[str]) -> int:
     sys.path.insert(0, os.getcwd())
     stats = install()
     signal.signal(signal.SIGUSR1, lambda *_: [s.clear() for s in stats.values()])
-    from proxy import cli
+    from prefill_gate.proxy import cli
 
     try:
         return cli.main(argv)
@@ -130,9 +130,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     from relay_router import cpu_seconds
 
-    from proxy.bench.overhead import measure, rounds_for
-    from proxy.bench.report import environment, table, write_json
-    from proxy.bench.services import Service, free_port
+    from prefill_gate.proxy.bench.overhead import measure, rounds_for
+    from prefill_gate.proxy.bench.report import environment, table, write_json
+    from prefill_gate.proxy.bench.services import Service, free_port
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=32)

@@ -29,8 +29,8 @@ SHORT_TOKENS = 1024
 def run(agents: int, turns: int, seed: int) -> dict:
     os.environ.update(PREFILL_GATE_PACING="cap", PREFILL_GATE_PACING_CAP_TOKENS="256",
                       PREFILL_GATE_PACING_SHORT_TOKENS=str(SHORT_TOKENS), PREFILL_GATE_PACING_LOG_INTERVAL_S="0")
-    from engine_patches.pacing import PacedScheduler
-    from engine_patches.short_first import ShortFirst
+    from prefill_gate.engine_patches.pacing import PacedScheduler
+    from prefill_gate.engine_patches.short_first import ShortFirst
     from tests.engine.harness import Engine, build, model_dir
 
     judged: dict[str, int] = {}  # request id -> remaining tokens as first judged
@@ -104,7 +104,7 @@ def main() -> int:
     p.add_argument("--json")
     args = p.parse_args()
     result = run(args.agents, args.turns, args.seed)
-    from proxy.bench.report import environment
+    from prefill_gate.proxy.bench.report import environment
 
     result.update(environment())
     print(f"{result['requests']} prompts, {result['judged']} judged while waiting: "

@@ -12,7 +12,7 @@ Data: the seed pair direct on vLLM 0.26.0 (`bench overlap` JSON, every token's t
 A (28,600 tokens) prefills, B decodes one token per engine step, so B's gaps are the step
 times: the first is a decode step plus A's arrival work, then one step per chunk of A
 (`direct-2048`: 14 chunks of 2,048 tokens; `direct-8192`: 8,192 x 3 and 4,024). The model is
-the simulator's (`proxy/sim/engine.py`, ``CostModel.step_seconds``): a step with a chunk of
+the simulator's (`prefill_gate/proxy/sim/engine.py`, ``CostModel.step_seconds``): a step with a chunk of
 n tokens after s cached ones costs ``C + per_prefill_token x n + attention x n x (s + n/2)``,
 C being a decode step plus ``mixed``. Least squares over every chunk step of every run in
 ``--fit``; ``base`` from B's solo median gap; A's arrival stall from the first gap. Then the
@@ -37,8 +37,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from proxy.bench.report import environment  # noqa: E402
-from proxy.sim.presets import get_preset  # noqa: E402
+from prefill_gate.proxy.bench.report import environment  # noqa: E402
+from prefill_gate.proxy.sim.presets import get_preset  # noqa: E402
 
 CHUNKS = {"direct-2048": 2048, "direct-8192": 8192}
 STEP_MS = 15.0  # a gap over this while A prefills is a chunk step (B decodes in ~4.7 ms)

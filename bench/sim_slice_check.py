@@ -23,8 +23,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from proxy.bench.report import environment, table, write_json
-from proxy.bench.services import Service
+from prefill_gate.proxy.bench.report import environment, table, write_json
+from prefill_gate.proxy.bench.services import Service
 SIZES = (256, 512, 1024)
 HAND_SET = (1.0e-7, 3.1e-7)  # frontend_per_id, arrival_per_id before the fit (issue 18's hand numbers)
 H200 = ROOT / "bench/results/mixed/h200/pairs"
@@ -32,7 +32,7 @@ H200 = ROOT / "bench/results/mixed/h200/pairs"
 
 def overlap(url: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, "-m", "proxy", "bench", "overlap", "--base-url", url, "--model", "sim",
+        subprocess.run([sys.executable, "-m", "prefill_gate.proxy", "bench", "overlap", "--base-url", url, "--model", "sim",
                         "--runs", "1", "--json", out.name], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, cwd=ROOT)
         return json.loads(pathlib.Path(out.name).read_text())

@@ -1,7 +1,7 @@
 # The prefill-gate proxy: slim, non-root, one uvicorn worker (the gate's state lives in
 # the process; run one proxy per set of upstreams).
 
-# The wheel, with the relay's compiled core (proxy/_relaycore.c), built where a compiler is;
+# The wheel, with the relay's compiled core (prefill_gate/proxy/_relaycore.c), built where a compiler is;
 # the image it runs in has none.
 FROM python:3.12.8-slim-bookworm AS build
 # Debian bookworm's compiler; the distribution pins its version.
@@ -11,7 +11,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
-COPY proxy ./proxy
+COPY prefill_gate ./prefill_gate
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.12.8-slim-bookworm
@@ -23,7 +23,7 @@ RUN pip install --no-cache-dir -r requirements/proxy.lock
 COPY --from=build /wheels /wheels
 # The compiled core must be in the image (relay_core auto would quietly run Python without it).
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
- && python3 -c "import proxy._relaycore" \
+ && python3 -c "import prefill_gate.proxy._relaycore" \
  && prefill-gate --help > /dev/null
 
 USER 10001

@@ -26,9 +26,8 @@ RUN git clone --depth 1 --branch "v${VLLM_VERSION}" https://github.com/vllm-proj
  && pip install --no-cache-dir --no-build-isolation .
 
 WORKDIR /opt/prefill-gate
-COPY pyproject.toml README.md ./
-COPY engine_patches ./engine_patches
-COPY kernels ./kernels
+COPY pyproject.toml setup.py README.md ./
+COPY prefill_gate ./prefill_gate
 RUN pip install --no-cache-dir --no-deps .
 
 ENV PREFILL_GATE_PACING=off

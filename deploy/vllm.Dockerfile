@@ -5,12 +5,11 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.26.0
 FROM ${VLLM_IMAGE}
 
 WORKDIR /opt/prefill-gate
-COPY pyproject.toml README.md ./
-COPY engine_patches ./engine_patches
-COPY kernels ./kernels
+COPY pyproject.toml setup.py README.md ./
+COPY prefill_gate ./prefill_gate
 # --no-deps: the image already has vLLM 0.26.0 and everything the patches import.
 RUN pip install --no-cache-dir --no-deps . \
- && python3 -c "import engine_patches._vllm"
+ && python3 -c "import prefill_gate.engine_patches._vllm"
 
 ENV PREFILL_GATE_PACING=off
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \

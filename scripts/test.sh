@@ -3,7 +3,7 @@
 # beyond the package index). The README's test command and CI run exactly this.
 #
 #   1. the proxy with its test extras, at the versions of requirements/test.lock, and the
-#      relay's compiled core (proxy/_relaycore.c: pip builds it with the C compiler; its
+#      relay's compiled core (prefill_gate/proxy/_relaycore.c: pip builds it with the C compiler; its
 #      tests fail rather than skip here, PREFILL_GATE_REQUIRE_COMPILED);
 #   2. vLLM 0.26.0's scheduler for the engine_patches tests: the CPU build of torch and
 #      what vLLM imports (requirements/engine-cpu.txt), then vLLM itself without its

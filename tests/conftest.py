@@ -19,9 +19,9 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from proxy.app import build_state, create_app
-from proxy.settings import load_settings
-from proxy.state import AppState
+from prefill_gate.proxy.app import build_state, create_app
+from prefill_gate.proxy.settings import load_settings
+from prefill_gate.proxy.state import AppState
 
 UPSTREAM = "http://vllm.test"
 CHAT = "/v1/chat/completions"
@@ -29,10 +29,10 @@ RELAY_CORES = ["compiled", "python"]  # relay_core settings the relay's tests ru
 
 
 def compiled_core():
-    """proxy._relaycore (the relay's compiled core). Where the install could not build it the
+    """prefill_gate.proxy._relaycore (the relay's compiled core). Where the install could not build it the
     test is skipped, or fails with PREFILL_GATE_REQUIRE_COMPILED=1 (scripts/test.sh sets it:
     CI builds it)."""
-    from proxy.relaycore import compiled_module
+    from prefill_gate.proxy.relaycore import compiled_module
 
     core = compiled_module()
     if isinstance(core, ImportError):
@@ -188,7 +188,7 @@ async def serve(app, settings=None, *, plain=False):
     if settings is None or plain:
         config = uvicorn.Config(app, log_level="warning", lifespan="on")
     else:
-        from proxy.listener import server_config
+        from prefill_gate.proxy.listener import server_config
 
         config = server_config(app, settings, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Ticket
+from prefill_gate.proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Ticket
 
 I, L = RequestClass.INTERACTIVE, RequestClass.LARGE
 
@@ -332,7 +332,7 @@ def test_reroute_frees_a_slot_that_starts_a_queued_prefill():
 async def test_a_lease_reads_its_own_upstreams_large_prefills_and_follows_a_reroute():
     """The per-read question (is a large prefill in flight where this stream decodes?) is
     answered from the live state of the lease's upstream, the one it moved to included."""
-    from proxy.gate import Gate
+    from prefill_gate.proxy.gate import Gate
 
     p, _ = policy(("u1", "u2"))
     ticket = small()

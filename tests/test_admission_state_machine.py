@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.admission import (
+from prefill_gate.proxy.admission import (
     AdmissionPolicy,
     Decision,
     Limits,

@@ -17,7 +17,7 @@ from conftest import (
     serve,
 )
 
-from proxy.bodies import with_member
+from prefill_gate.proxy.bodies import with_member
 
 
 async def test_non_streaming_passes_through_with_unknown_fields_untouched(fake):
@@ -300,7 +300,7 @@ async def test_headers_over_the_limit_are_431_on_every_path(fake):
 
 async def test_oversized_headers_over_a_real_socket():
     """uvicorn hands the proxy a 200 KB header block; the proxy answers 431, not 5xx."""
-    from proxy.app import create_app
+    from prefill_gate.proxy.app import create_app
 
     state = make_state(httpx.MockTransport(FakeVLLM()))
     async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient() as c:

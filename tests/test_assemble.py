@@ -4,7 +4,7 @@ import asyncio
 import json
 
 from conftest import UPSTREAM, proxy_client
-from proxy.assemble import Assembler, convertible
+from prefill_gate.proxy.assemble import Assembler, convertible
 
 CHAT = "/v1/chat/completions"
 

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from conftest import CHAT, UPSTREAM, chat, hold_stream, make_state, proxy_client, serve
-from proxy.app import build_state, create_app
-from proxy.prefix_memory import PER_REQUEST, PrefixMemory, prefix_hashes
-from proxy.relay import SSESplitter
-from proxy.settings import SettingsError, load_settings
+from prefill_gate.proxy.app import build_state, create_app
+from prefill_gate.proxy.prefix_memory import PER_REQUEST, PrefixMemory, prefix_hashes
+from prefill_gate.proxy.relay import SSESplitter
+from prefill_gate.proxy.settings import SettingsError, load_settings
 from test_fasthttp import HEAD_SSE, Server, chunk, read_request
 
-from proxy.errors import UpstreamProtocolError
+from prefill_gate.proxy.errors import UpstreamProtocolError
 
 
 # ------------------------------------------------- one request freezes the proxy
@@ -44,8 +44,8 @@ async def test_bodies_built_to_be_slow_are_refused_in_bounded_time(fake, body):
 async def test_a_hostile_body_does_not_stall_other_clients():
     """Real sockets: while the worst body that fits under max_body_bytes is answered, /health
     keeps answering within a bound (the parse of 16 MiB is the only work left on the loop)."""
-    from proxy.sim.engine import CostModel, Engine, EngineConfig
-    from proxy.sim.server import create_sim_app
+    from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+    from prefill_gate.proxy.sim.server import create_sim_app
 
     engine = Engine(EngineConfig(), CostModel(base=0.005))
     async with serve(create_sim_app(engine)) as sim_url:
@@ -133,7 +133,7 @@ async def test_no_spelling_of_a_path_reaches_around_the_gate(fake, path):
 
 @pytest.mark.parametrize("char", [chr(c) for c in range(0x20)] + ["\x7f"])
 def test_a_control_character_anywhere_in_the_path_is_refused(char):
-    from proxy.app import path_refusal
+    from prefill_gate.proxy.app import path_refusal
 
     for path in (f"/v1/chat/completions{char}", f"/v1/{char}chat/completions", f"{char}/health"):
         refused = path_refusal(path, path.encode())
@@ -142,7 +142,7 @@ def test_a_control_character_anywhere_in_the_path_is_refused(char):
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models/caf\u00e9", "/v1/a~b-c_d", "/\x80\xa0"])
 def test_a_canonical_path_is_not_refused(path):
-    from proxy.app import path_refusal
+    from prefill_gate.proxy.app import path_refusal
 
     assert path_refusal(path, path.encode("utf-8")) is None
 
@@ -315,7 +315,7 @@ async def test_an_unsolicited_answer_on_a_pooled_connection_reaches_nobody():
             writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n{"n":666}')  # nobody asked
             await writer.drain()
 
-    from proxy.fasthttp import FastTransport
+    from prefill_gate.proxy.fasthttp import FastTransport
 
     async with Server(handler) as srv:
         async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
@@ -359,7 +359,7 @@ async def test_an_upstream_redirect_does_not_leak_its_address(fake):
 def test_logs_keep_no_query_strings_and_no_tracebacks_for_bad_http():
     import logging
 
-    from proxy.cli import _one_line_for_bad_http, _strip_query
+    from prefill_gate.proxy.cli import _one_line_for_bad_http, _strip_query
 
     rec = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
                             ("1.2.3.4:5", "GET", "/v1/models?api_key=secret", "1.1", 200), None)
@@ -459,7 +459,7 @@ async def test_a_client_that_leaves_mid_body_costs_nothing_upstream(fake):
 
 
 def test_client_headers_keep_order_and_a_repeated_headers_first_value():
-    from proxy.exchange import client_headers
+    from prefill_gate.proxy.exchange import client_headers
 
     raw = [(b"a", b"1"), (b"b", b"\xe9"), (b"a", b"2"), (b"c", b"3")]
     assert list(client_headers(raw).items()) == [("a", "1"), ("b", "\xe9"), ("c", "3")]

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from proxy.auth import KeyCheck, KeysFileError, hash_key
-from proxy.bench.services import Service
+from prefill_gate.proxy.auth import KeyCheck, KeysFileError, hash_key
+from prefill_gate.proxy.bench.services import Service
 from tests.conftest import CHAT, FakeVLLM, proxy_client, sample, stream_events
 
 
@@ -58,12 +58,12 @@ def test_keys_file_errors_name_the_line(tmp_path):
 
 
 def test_hash_key_command_and_bad_file_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "proxy", "hash-key"], input="s3cret\n", capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "prefill_gate.proxy", "hash-key"], input="s3cret\n", capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == hash_key("s3cret")
     bad = tmp_path / "bad"
     bad.write_text("s3cret\n")
-    r = subprocess.run([sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
+    r = subprocess.run([sys.executable, "-m", "prefill_gate.proxy", "serve", "--upstream", "http://127.0.0.1:9",
                         "--api-keys-file", str(bad)], capture_output=True, text=True, timeout=30, check=False)
     assert r.returncode == 2 and "bad:1: expected sha256" in r.stderr
 
@@ -99,7 +99,7 @@ async def test_sigterm_lets_short_streams_finish_and_ends_long_ones(tmp_path):
 
 
 def test_metrics_on_their_own_port():
-    from proxy.bench.services import free_port
+    from prefill_gate.proxy.bench.services import free_port
 
     port = free_port()
     with Service("serve", "--upstream", "http://127.0.0.1:9", "--metrics-port", str(port),

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from proxy.bench.mixed import (
+from prefill_gate.proxy.bench.mixed import (
     SLO,
     MixedShape,
     Record,
@@ -18,7 +18,7 @@ from proxy.bench.mixed import (
     stretched,
     summarize,
 )
-from proxy.bench.overlap import Trace
+from prefill_gate.proxy.bench.overlap import Trace
 
 
 def rec(cls="interactive", sent=0.0, tokens=(), end=None, error=None, user=0):
@@ -152,7 +152,7 @@ def test_no_stream_share_merges_overlapping_streams():
 # ------------------------------------------------------------------ one real run
 @pytest.mark.slow
 def test_a_short_run_on_the_simulator_measures_both_phases(tmp_path):
-    from proxy.bench.services import Service
+    from prefill_gate.proxy.bench.services import Service
 
     shape = MixedShape(users=3, think=0.2, interactive_prompt=60, interactive_tokens=20, long_prompt=3000,
                        long_tokens=4, long_every=1.0, duration=3.0, baseline_duration=1.5, long_alone_runs=1)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import RELAY_CORES, compiled_core
-from proxy.bench.overhead import load_plan
+from prefill_gate.proxy.bench.overhead import load_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_a_load_process_measures_with_its_cycle_collector_off(monkeypatch):
     relay's delay: its collector is off while it measures, and back on after."""
     import gc
 
-    from proxy.bench import overhead
+    from prefill_gate.proxy.bench import overhead
 
     async def part(*args):
         return gc.isenabled()
@@ -109,7 +109,7 @@ def test_gc_pauses_reads_each_generation_from_the_proxys_metrics(monkeypatch):
     exposition), per generation: collections, seconds, collections under 1 ms."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from proxy.metrics import Metrics
+    from prefill_gate.proxy.metrics import Metrics
 
     relay_router = _bench("relay_router")
     metrics = Metrics(CollectorRegistry(), [])
@@ -136,7 +136,7 @@ def test_gc_pauses_reads_each_generation_from_the_proxys_metrics(monkeypatch):
 def test_a_level_runs_again_until_enough_first_tokens():
     """A TTFT p99 of one run of 32 streams is their slowest first token: levels run again
     until at least ``ttft_samples`` streams started (20 by default: one run from 20 streams)."""
-    from proxy.bench.overhead import rounds_for
+    from prefill_gate.proxy.bench.overhead import rounds_for
 
     assert [rounds_for(n) for n in (1, 3, 20, 32, 512)] == [20, 7, 1, 1, 1]
     assert [rounds_for(n, 200) for n in (1, 32, 128, 512)] == [200, 7, 2, 1]
@@ -214,7 +214,7 @@ def test_a_streams_gaps_are_between_its_own_chunks_as_its_reader_sees_them():
     import asyncio
     import time
 
-    from proxy.bench.overhead import _one_stream
+    from prefill_gate.proxy.bench.overhead import _one_stream
 
     def chunk(stamp: float) -> bytes:
         event = b'data: {"choices":[{"delta":{"content":"x"}}],"t":%.9f}\n\n' % stamp

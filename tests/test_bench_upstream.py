@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from proxy.bench.services import Service
+from prefill_gate.proxy.bench.services import Service
 
 
 def children_of(pid: int) -> list[int]:

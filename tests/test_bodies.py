@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from proxy.bodies import (
+from prefill_gate.proxy.bodies import (
     ID_BYTES,
     is_json,
     USAGE_MEMBER,
@@ -24,8 +24,8 @@ from proxy.bodies import (
     usage_of,
     with_member,
 )
-from proxy.slicer import IdPrefixes
-from proxy.errors import BadRequest
+from prefill_gate.proxy.slicer import IdPrefixes
+from prefill_gate.proxy.errors import BadRequest
 
 CHAT, COMPLETIONS = BodyOptions("chat"), BodyOptions("completions")
 EVERYTHING = dict(protect_non_streaming=True, slicing=True, upstream_tokenize=True)
@@ -272,13 +272,13 @@ async def test_pools_that_keep_breaking_pause_the_offload_instead_of_a_process_p
     import sys
     from concurrent.futures import ProcessPoolExecutor
 
-    import proxy.bodies
+    import prefill_gate.proxy.bodies
 
     class Unstartable(ProcessPoolExecutor):
         def __init__(self, workers, mp_context):
             super().__init__(workers, mp_context=mp_context, initializer=sys.exit, initargs=(3,))
 
-    monkeypatch.setattr(proxy.bodies, "ProcessPoolExecutor", Unstartable)
+    monkeypatch.setattr(prefill_gate.proxy.bodies, "ProcessPoolExecutor", Unstartable)
     now = [0.0]
     reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=1, clock=lambda: now[0])
     big = chat(filler="x" * 5000)
@@ -299,12 +299,12 @@ async def test_pools_that_keep_breaking_pause_the_offload_instead_of_a_process_p
 
 
 async def test_where_processes_cannot_be_made_every_body_is_read_inline(monkeypatch):
-    import proxy.bodies
+    import prefill_gate.proxy.bodies
 
     def no_semaphores(*args, **kwargs):
         raise ImportError("This platform lacks a functioning sem_open implementation")
 
-    monkeypatch.setattr(proxy.bodies, "ProcessPoolExecutor", no_semaphores)
+    monkeypatch.setattr(prefill_gate.proxy.bodies, "ProcessPoolExecutor", no_semaphores)
     reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=2)
     big = chat(filler="x" * 5000)
     assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)

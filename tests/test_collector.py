@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from proxy.collector import FULL_EVERY_S, IDLE_GAP_S, YOUNG_THRESHOLD, FullCollections, defer_full_collections
+from prefill_gate.proxy.collector import FULL_EVERY_S, IDLE_GAP_S, YOUNG_THRESHOLD, FullCollections, defer_full_collections
 
 
 def _full_collections_made_by(work) -> int:
@@ -132,8 +132,8 @@ def test_the_serving_proxy_collects_in_full_once_idle():
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from proxy.bench.overhead import measure
-    from proxy.bench.services import Service
+    from prefill_gate.proxy.bench.overhead import measure
+    from prefill_gate.proxy.bench.services import Service
 
     def full_collections(url: str) -> float:
         text = httpx.get(url + "/metrics", timeout=5).text

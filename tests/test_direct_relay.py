@@ -1,6 +1,6 @@
 """The relay's direct path: body bytes written to the client from the upstream's read
-callback (``proxy.listener.ChunkWriter``, ``proxy.fasthttp.body_sink``; the callback of
-either relay core, ``proxy.relaycore``), with real sockets on both sides (the proxy's
+callback (``prefill_gate.proxy.listener.ChunkWriter``, ``prefill_gate.proxy.fasthttp.body_sink``; the callback of
+either relay core, ``prefill_gate.proxy.relaycore``), with real sockets on both sides (the proxy's
 listener, the proxy's own transport)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import types
 import pytest
 
 from conftest import RELAY_CORES, compiled_core, make_state, serve
-from proxy import app as app_module
-from proxy import listener, relaycore
-from proxy.app import create_app
-from proxy.listener import chunk_writer
+from prefill_gate.proxy import app as app_module
+from prefill_gate.proxy import listener, relaycore
+from prefill_gate.proxy.app import create_app
+from prefill_gate.proxy.listener import chunk_writer
 
 HEAD_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -246,10 +246,10 @@ async def test_the_direct_path_leaves_no_reference_cycles(core):
     if core == "compiled":
         compiled_core()
 
-    from proxy.disconnect import DisconnectWatch
-    from proxy.exchange import GatedExchange
-    from proxy.fasthttp import _ResponseStream
-    from proxy.relay import StreamObserver
+    from prefill_gate.proxy.disconnect import DisconnectWatch
+    from prefill_gate.proxy.exchange import GatedExchange
+    from prefill_gate.proxy.fasthttp import _ResponseStream
+    from prefill_gate.proxy.relay import StreamObserver
 
     events = [sse(i) for i in range(50)] + [b"data: [DONE]\n\n"]
     server, url, stream, _ = await sse_upstream(events, random.Random(2))

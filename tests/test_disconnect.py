@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from conftest import sample, serve
-from proxy.app import build_state, create_app
-from proxy.settings import load_settings
-from proxy.sim.engine import CostModel, Engine, EngineConfig
-from proxy.sim.server import create_sim_app
+from prefill_gate.proxy.app import build_state, create_app
+from prefill_gate.proxy.settings import load_settings
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+from prefill_gate.proxy.sim.server import create_sim_app
 
 CHAT = "/v1/chat/completions"
 # Slow enough to act in each phase: 20 ms per step, ~1 s to prefill 10k tokens.

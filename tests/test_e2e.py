@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from proxy.bench.overlap import Shape, run_overlap
-from proxy.bench.services import Service
+from prefill_gate.proxy.bench.overlap import Shape, run_overlap
+from prefill_gate.proxy.bench.services import Service
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from proxy.estimate import (
+from prefill_gate.proxy.estimate import (
     Calibrator,
     Estimator,
     TiktokenCounter,

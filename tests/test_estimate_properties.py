@@ -7,7 +7,7 @@ import asyncio
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from proxy.estimate import Calibrator, Estimator, shape_of
+from prefill_gate.proxy.estimate import Calibrator, Estimator, shape_of
 
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=3000)
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]),

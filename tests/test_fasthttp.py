@@ -1,4 +1,4 @@
-"""proxy.fasthttp.FastTransport against raw loopback servers that write exact bytes."""
+"""prefill_gate.proxy.fasthttp.FastTransport against raw loopback servers that write exact bytes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import compiled_core, make_state
-from proxy import fasthttp
-from proxy.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
-from proxy.fasthttp import FastTransport
-from proxy.upstream import mapped_errors
+from prefill_gate.proxy import fasthttp
+from prefill_gate.proxy.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable
+from prefill_gate.proxy.fasthttp import FastTransport
+from prefill_gate.proxy.upstream import mapped_errors
 
 HEAD_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -364,7 +364,7 @@ async def test_the_gated_path_sends_the_same_head_as_httpx():
     """UpstreamClient sends POSTs to plain paths straight to the transport (no httpx
     client): the upstream must see the same request line, headers and body as through
     httpx (a query string takes httpx's path), and no header of httpx's own."""
-    from proxy.upstream import UpstreamClient, read_limited
+    from prefill_gate.proxy.upstream import UpstreamClient, read_limited
 
     heads = []
 
@@ -436,11 +436,11 @@ async def test_upstream_connections_that_end_leave_no_reference_cycles(ending):
     """A connection closed by an error, an abort (a body left unread: how vLLM learns the
     client left) or the upstream goes by reference counting: its parser held its callbacks
     (a cycle per closed connection), and a raised error kept on it held frames that hold it.
-    What survives two young collections waits for a full one (proxy/collector.py)."""
+    What survives two young collections waits for a full one (prefill_gate/proxy/collector.py)."""
     import gc
 
-    from proxy.errors import UpstreamError
-    from proxy.upstream import UpstreamClient, read_limited
+    from prefill_gate.proxy.errors import UpstreamError
+    from prefill_gate.proxy.upstream import UpstreamClient, read_limited
 
     async def handler(reader, writer, srv):
         while True:
@@ -466,7 +466,7 @@ async def test_upstream_connections_that_end_leave_no_reference_cycles(ending):
                 return
 
     def ours(o) -> bool:
-        return type(o).__module__ == "proxy.fasthttp"
+        return type(o).__module__ == "prefill_gate.proxy.fasthttp"
 
     async with Server(handler) as srv:
         up = UpstreamClient([srv.url])

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from proxy.bench.services import Service
+from prefill_gate.proxy.bench.services import Service
 from tests.conftest import CHAT, stream_events
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 from conftest import CHAT, FakeVLLM, chat, hold_stream, proxy_client, response
 
-from proxy.gateway import add_held
+from prefill_gate.proxy.gateway import add_held
 
 PAGE = (b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         b"# TYPE vllm:num_requests_waiting gauge\n"

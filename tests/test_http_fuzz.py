@@ -18,7 +18,7 @@ from conftest import FakeVLLM, proxy_client, response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.openapi import ChatCompletionRequest, CompletionRequest
+from prefill_gate.proxy.openapi import ChatCompletionRequest, CompletionRequest
 
 SCHEMAS = {path: jsonschema_rs.validator_for(model.model_json_schema()) for path, model in
            (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest))}

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from proxy import metrics
-from proxy.labels import OutcomeKind
-from proxy.metrics import _LATENCY, LoopCounter, LoopHistogram, Metrics, _HistogramChild
-from proxy.relaycore import compiled_module
+from prefill_gate.proxy import metrics
+from prefill_gate.proxy.labels import OutcomeKind
+from prefill_gate.proxy.metrics import _LATENCY, LoopCounter, LoopHistogram, Metrics, _HistogramChild
+from prefill_gate.proxy.relaycore import compiled_module
 
 _core = compiled_module()
 compiled = pytest.mark.skipif(isinstance(_core, ImportError), reason=f"the compiled core did not build: {_core}")
@@ -116,7 +116,7 @@ def test_collector_pauses_are_timed_by_generation():
     generation, until the watcher is removed."""
     import gc
 
-    from proxy.metrics import Metrics
+    from prefill_gate.proxy.metrics import Metrics
 
     registry = CollectorRegistry()
     stop = Metrics(registry, ["http://u"]).watch_gc()

@@ -9,10 +9,10 @@ import pytest
 from conftest import serve
 from prometheus_client import CollectorRegistry
 
-from proxy.app import build_state, create_app
-from proxy.settings import load_settings
-from proxy.sim.engine import CostModel, Engine, EngineConfig
-from proxy.sim.server import create_sim_app
+from prefill_gate.proxy.app import build_state, create_app
+from prefill_gate.proxy.settings import load_settings
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+from prefill_gate.proxy.sim.server import create_sim_app
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from conftest import make_state
 from hypothesis import HealthCheck, settings
 from test_http_fuzz import LikeVLLM
 
-from proxy.app import create_app
+from prefill_gate.proxy.app import create_app
 
 UPSTREAM = LikeVLLM()
 STATE = make_state(httpx.MockTransport(UPSTREAM))

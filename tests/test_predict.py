@@ -2,7 +2,7 @@
 
 import pytest
 
-from proxy.predict import PRIOR_GAP_S, PROMISE_COOLDOWN_S, Predictor
+from prefill_gate.proxy.predict import PRIOR_GAP_S, PROMISE_COOLDOWN_S, Predictor
 
 
 class Clock:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import hold_stream, proxy_client
 
-from proxy.prefix_memory import PrefixMemory, prefix_hashes
+from prefill_gate.proxy.prefix_memory import PrefixMemory, prefix_hashes
 
 CHAT = "/v1/chat/completions"
 

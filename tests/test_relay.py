@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from proxy.relay import SSESplitter, StreamObserver, event_json, is_content
+from prefill_gate.proxy.relay import SSESplitter, StreamObserver, event_json, is_content
 
 
 def ev(obj):
@@ -76,7 +76,7 @@ async def test_an_error_event_in_the_stream_is_not_counted_as_completed():
     import httpx
 
     from conftest import CHAT, chat, make_state
-    from proxy.app import create_app
+    from prefill_gate.proxy.app import create_app
 
     async def upstream(request: httpx.Request) -> httpx.Response:
         async def events():
@@ -97,9 +97,9 @@ async def test_an_error_event_in_the_stream_is_not_counted_as_completed():
 
 
 def test_each_error_names_its_outcome_and_labels_print_as_their_values():
-    from proxy.errors import (BadRequest, QueueFull, QueueTimeout, ShuttingDown, UpstreamProtocolError,
+    from prefill_gate.proxy.errors import (BadRequest, QueueFull, QueueTimeout, ShuttingDown, UpstreamProtocolError,
                               UpstreamTimeout, UpstreamUnavailable)
-    from proxy.labels import ErrorKind, OutcomeKind
+    from prefill_gate.proxy.labels import ErrorKind, OutcomeKind
 
     assert BadRequest("x").outcome is OutcomeKind.BAD_REQUEST
     assert QueueFull("x", retry_after=1).outcome is QueueTimeout("x").outcome is OutcomeKind.REJECTED
@@ -115,7 +115,7 @@ def test_each_error_names_its_outcome_and_labels_print_as_their_values():
 async def test_streams_leave_no_reference_cycles(fake, listener, ending):
     """Each request's objects go when it ends (reference counting), not at the next full
     collection: with hundreds of streams, those collections stall every stream, and what
-    survives two young collections waits for a full one (proxy/collector.py). Whether the
+    survives two young collections waits for a full one (prefill_gate/proxy/collector.py). Whether the
     stream finished, its client left mid-stream (the disconnect cancels the request) or the
     upstream failed (mid-stream, without [DONE], unreachable, silent: the error kept on the
     exchange held its traceback, whose frames held the exchange), behind uvicorn as it comes
@@ -126,10 +126,10 @@ async def test_streams_leave_no_reference_cycles(fake, listener, ending):
     import httpx
 
     from conftest import CHAT, UPSTREAM, chat, make_state, serve
-    from proxy.app import create_app
-    from proxy.disconnect import DisconnectWatch
-    from proxy.exchange import GatedExchange
-    from proxy.relay import StreamObserver
+    from prefill_gate.proxy.app import create_app
+    from prefill_gate.proxy.disconnect import DisconnectWatch
+    from prefill_gate.proxy.exchange import GatedExchange
+    from prefill_gate.proxy.relay import StreamObserver
 
     state = make_state(httpx.MockTransport(fake))
     app = create_app(state, health_checks=False)

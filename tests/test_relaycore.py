@@ -1,4 +1,4 @@
-"""The relay's compiled core (proxy/_relaycore.c) against the Python it compiles: its
+"""The relay's compiled core (prefill_gate/proxy/_relaycore.c) against the Python it compiles: its
 ``plain_events`` against ``relay.plain_events``, its ``DirectRelay`` against
 ``ChunkWriter.write_through`` over ``StreamObserver.take``, over the same reads; its errors,
 its references, and the ``relay_core`` setting that chooses it."""
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import compiled_core, make_state
-from proxy import cli, relaycore
-from proxy.listener import ChunkWriter
-from proxy.relay import StreamObserver, plain_events
+from prefill_gate.proxy import cli, relaycore
+from prefill_gate.proxy.listener import ChunkWriter
+from prefill_gate.proxy.relay import StreamObserver, plain_events
 from test_relay import _EVENTS, EDGE_READS, _reads, chunk, ev
 
 
@@ -309,7 +309,7 @@ def test_direct_relay_frames_every_length_as_python_does(core, size):
 
 def test_direct_relay_raises_what_its_callbacks_raise(core):
     """An error in the observer or in the write reaches the upstream connection's callback
-    (which fails the response: proxy/fasthttp.py), nothing swallowed."""
+    (which fails the response: prefill_gate/proxy/fasthttp.py), nothing swallowed."""
     def boom(data):
         raise ValueError("observer failed")
 
@@ -391,7 +391,7 @@ def test_auto_runs_the_compiled_core_where_it_is_built(core):
 
 
 def test_without_the_compiled_core_auto_runs_python_and_compiled_refuses(monkeypatch, capsys):
-    monkeypatch.setattr(relaycore, "compiled_module", lambda: ImportError("no module named proxy._relaycore"))
+    monkeypatch.setattr(relaycore, "compiled_module", lambda: ImportError("no module named prefill_gate.proxy._relaycore"))
     assert relaycore.relay_factory("auto") == (relaycore.python_relay, "python")
     with pytest.raises(relaycore.CoreMissing, match="C compiler"):
         relaycore.relay_factory("compiled")

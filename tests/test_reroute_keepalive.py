@@ -19,7 +19,7 @@ from tests.conftest import (
     sample,
     serve,
 )
-from proxy.app import create_app
+from prefill_gate.proxy.app import create_app
 
 DOWN, UP = "http://down.test", "http://up.test"
 

@@ -1,4 +1,4 @@
-"""proxy/routing.py: health as the checks found it, what each upstream can do, and the pick
+"""prefill_gate/proxy/routing.py: health as the checks found it, what each upstream can do, and the pick
 for side requests; the check against a fake upstream set."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import httpx
 from conftest import response
 from prometheus_client import CollectorRegistry
 
-from proxy.admission import AdmissionPolicy, Decision, Limits, RequestClass, Slicing, Ticket
-from proxy.capabilities import Capabilities
-from proxy.gate import Gate
-from proxy.metrics import Metrics
-from proxy.routing import Routing
-from proxy.upstream import UpstreamClient
+from prefill_gate.proxy.admission import AdmissionPolicy, Decision, Limits, RequestClass, Slicing, Ticket
+from prefill_gate.proxy.capabilities import Capabilities
+from prefill_gate.proxy.gate import Gate
+from prefill_gate.proxy.metrics import Metrics
+from prefill_gate.proxy.routing import Routing
+from prefill_gate.proxy.upstream import UpstreamClient
 
 UPS = ["http://a.test", "http://b.test"]
 

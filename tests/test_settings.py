@@ -2,8 +2,8 @@
 
 import pytest
 
-from proxy.cli import build_parser
-from proxy.settings import SettingsError, load_settings
+from prefill_gate.proxy.cli import build_parser
+from prefill_gate.proxy.settings import SettingsError, load_settings
 
 
 def test_defaults():
@@ -81,7 +81,7 @@ def test_cli_has_the_required_flags_and_one_per_setting():
 
 
 def test_serve_exits_2_with_a_clear_message(capsys):
-    from proxy.cli import main
+    from prefill_gate.proxy.cli import main
 
     assert main(["serve", "--large-prefill-tokens", "-5"]) == 2
     assert "setting large_prefill_tokens (from flag)" in capsys.readouterr().err
@@ -90,7 +90,7 @@ def test_serve_exits_2_with_a_clear_message(capsys):
 def test_readme_lists_every_setting():
     from pathlib import Path
 
-    from proxy.settings import Settings
+    from prefill_gate.proxy.settings import Settings
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for name in Settings.model_fields:
@@ -100,7 +100,7 @@ def test_readme_lists_every_setting():
 def test_cli_errors_are_one_line_and_exit_2(capsys):
     import socket
 
-    from proxy.cli import main
+    from prefill_gate.proxy.cli import main
 
     cases = [["serve", "--sim-preset", "nope"], ["demo", "--preset", "nope"], ["demo", "--runs", "0"],
              ["bench", "overlap", "--runs", "0", "--base-url", "http://127.0.0.1:9"], ["sim", "--preset", "nope"]]
@@ -123,7 +123,7 @@ def test_cli_errors_are_one_line_and_exit_2(capsys):
 
 
 def test_help_lists_only_public_commands_and_every_option_says_what_it_does(capsys):
-    from proxy.cli import build_parser
+    from prefill_gate.proxy.cli import build_parser
 
     top = build_parser().format_help()
     assert "SUPPRESS" not in top and "``" not in top and "bench-upstream" not in top
@@ -137,7 +137,7 @@ def test_help_lists_only_public_commands_and_every_option_says_what_it_does(caps
 
 
 def test_an_upstream_given_as_an_openai_base_url_is_accepted(caplog):
-    from proxy.settings import load_settings
+    from prefill_gate.proxy.settings import load_settings
 
     s = load_settings({"upstreams": ["http://127.0.0.1:8000/v1/", "http://h:1"]}, environ={})
     assert s.upstreams == ["http://127.0.0.1:8000", "http://h:1"]
@@ -149,7 +149,7 @@ def test_readme_lists_every_metric_with_its_labels():
 
     from prometheus_client import CollectorRegistry
 
-    from proxy.metrics import Metrics
+    from prefill_gate.proxy.metrics import Metrics
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme[readme.index("### Metrics"):readme.index("## Step pacing inside vLLM")]

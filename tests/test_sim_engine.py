@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from proxy.sim import build_engine
-from proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest, block_hashes
+from prefill_gate.proxy.sim import build_engine
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest, block_hashes
 
 
 def engine(**cfg):
@@ -148,7 +148,7 @@ async def test_run_loop_paces_steps_on_the_clock():
 
 
 def test_pacing_cap_bounds_prefill_only_while_decoding():
-    from proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest
+    from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig, SimRequest
 
     engine = Engine(EngineConfig(max_num_batched_tokens=8192, pacing_cap=256), CostModel(base=0.005))
     b = engine.add(SimRequest([1] * 40, 50))
@@ -166,7 +166,7 @@ def test_pacing_cap_bounds_prefill_only_while_decoding():
 
 
 def test_agent_bench_helpers():
-    from proxy.bench.agent import max_gap_in, plan_conversation
+    from prefill_gate.proxy.bench.agent import max_gap_in, plan_conversation
 
     plan = plan_conversation(seed=1, turns=6, short_chars=50, tool_chars=500)
     assert [k for k, _ in plan] == ["short", "short", "tool"] * 2

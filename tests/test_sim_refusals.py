@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import serve
 
-from proxy.sim.engine import CostModel, Engine, EngineConfig
-from proxy.sim.server import create_sim_app
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+from prefill_gate.proxy.sim.server import create_sim_app
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_errors.json").read_text())
 CASES = {c["name"]: c for c in FIXTURE["cases"]}

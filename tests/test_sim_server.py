@@ -4,8 +4,8 @@ import json
 
 import httpx
 
-from proxy.sim.engine import CostModel, Engine, EngineConfig
-from proxy.sim.server import create_sim_app, render_chat
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+from prefill_gate.proxy.sim.server import create_sim_app, render_chat
 
 
 async def client_for(engine):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, fit_cost
+from prefill_gate.proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, fit_cost
 
 # A cost of the H200's shape (section 11 of docs/RESULTS.md: 8,192 tokens at an empty
 # prefix ~52 ms, 1,024 after 28k ~38 ms): 6 ms a step, 1.4 us a token, 1.03 ns a token of

@@ -11,14 +11,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from conftest import CHAT, chat, hold_stream, proxy_client, sample, serve
-from proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Slicing, Ticket
-from proxy.app import build_state, create_app
-from proxy.routing import probe_capabilities
-from proxy.capabilities import Capabilities, parse_cache_config
-from proxy.settings import load_settings
-from proxy.sim.engine import CostModel, Engine, EngineConfig
-from proxy.sim.server import create_sim_app, render_chat
-from proxy.slicer import IdPrefixes, SliceSizer, run_slices, tokenize_payload
+from prefill_gate.proxy.admission import AdmissionPolicy, Decision, Limits, Phase, PolicyError, RequestClass, Slicing, Ticket
+from prefill_gate.proxy.app import build_state, create_app
+from prefill_gate.proxy.routing import probe_capabilities
+from prefill_gate.proxy.capabilities import Capabilities, parse_cache_config
+from prefill_gate.proxy.settings import load_settings
+from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
+from prefill_gate.proxy.sim.server import create_sim_app, render_chat
+from prefill_gate.proxy.slicer import IdPrefixes, SliceSizer, run_slices, tokenize_payload
 from test_disconnect import start_b, until
 
 
@@ -94,7 +94,7 @@ async def test_slices_are_growing_block_aligned_prefixes_of_the_prompt():
 
 
 async def test_slices_come_from_the_encoder_the_caller_gives():
-    from proxy.bodies import BodyReader
+    from prefill_gate.proxy.bodies import BodyReader
 
     ids = list(range(1000, 1000 + 1234))
     reader = BodyReader({}, offload_bytes=1024, workers=1)  # the proxy's: a worker process here
@@ -252,7 +252,7 @@ async def test_cancelling_a_pipelined_run_cancels_its_slices():
 
 
 def test_overlapping_slices_each_see_the_gaps_of_their_own_time():
-    from proxy.predict import MAX_WINDOWS, Predictor
+    from prefill_gate.proxy.predict import MAX_WINDOWS, Predictor
 
     p = Predictor(["u"], slice_gap_s=0.04, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096)
     first = p.window_start("u")
@@ -394,7 +394,7 @@ def test_prefilling_counts_requests_without_their_first_chunk():
 
 
 async def test_prefills_settled_waits_for_first_chunks_within_its_bound():
-    from proxy.gate import Gate
+    from prefill_gate.proxy.gate import Gate
 
     p = slicing_policy()
     gate = Gate(p)
@@ -559,8 +559,8 @@ async def test_when_tokenize_fails_the_request_is_held_instead(fake):
 async def test_a_slices_window_waits_for_the_gap_that_arrives_after_its_answer():
     """The stream's chunk from the slice's engine step may reach the proxy just after the
     slice's answer: closing the window at once missed it (and the sizer grew 1.5x)."""
-    from proxy.exchange import slice_window_end
-    from proxy.predict import Predictor
+    from prefill_gate.proxy.exchange import slice_window_end
+    from prefill_gate.proxy.predict import Predictor
 
     p = Predictor(["u"], slice_gap_s=0.04, max_gap_s=0.05, min_slice_tokens=256, max_slice_tokens=4096)
     p.stream_started("u", 1, None, "m", lambda: 0)
@@ -611,7 +611,7 @@ async def test_auto_counts_a_long_prompt_exactly_before_choosing_and_reuses_the_
 async def test_a_slow_tokenize_costs_an_arriving_prompt_a_bounded_wait(fake, monkeypatch):
     """slicing auto counts a long prompt on arrival; an upstream slow to /tokenize must not
     hold the request for the whole read_timeout (it goes on with the estimate)."""
-    import proxy.exchange as exchange
+    import prefill_gate.proxy.exchange as exchange
 
     monkeypatch.setattr(exchange, "EXACT_COUNT_TIMEOUT_S", 0.2)
     answer = fake.__call__

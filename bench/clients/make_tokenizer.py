@@ -1,6 +1,6 @@
 """A character-level tokenizer for the benchmark clients (vllm bench serve and others need
 a local one): one printable ASCII character is one token, as the engine simulator counts
-them (proxy/sim/server.py), so a client's prompt of N tokens is N of the simulator's.
+them (prefill_gate/proxy/sim/server.py), so a client's prompt of N tokens is N of the simulator's.
 
     python3 bench/clients/make_tokenizer.py OUT_DIR
 """

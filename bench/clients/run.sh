@@ -50,12 +50,12 @@ wait_up() { for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/
 count() { "$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$2"; }
 
 if [ -z "${UPSTREAM:-}" ]; then
-  "$PY" -m proxy sim --port 8701 --served-model-name "$MODEL_NAME" > "$OUT/res/sim.log" 2>&1 & PIDS+=($!)
+  "$PY" -m prefill_gate.proxy sim --port 8701 --served-model-name "$MODEL_NAME" > "$OUT/res/sim.log" 2>&1 & PIDS+=($!)
   wait_up 8701
   UPSTREAM=http://127.0.0.1:8701
 fi
-"$PY" -m proxy serve --upstream "$UPSTREAM" --port 8702 --log-level warning > "$OUT/res/proxy-hold.log" 2>&1 & PIDS+=($!)
-"$PY" -m proxy serve --upstream "$UPSTREAM" --port 8703 --log-level info --slicing auto \
+"$PY" -m prefill_gate.proxy serve --upstream "$UPSTREAM" --port 8702 --log-level warning > "$OUT/res/proxy-hold.log" 2>&1 & PIDS+=($!)
+"$PY" -m prefill_gate.proxy serve --upstream "$UPSTREAM" --port 8703 --log-level info --slicing auto \
   > "$OUT/res/proxy-auto.log" 2>&1 & PIDS+=($!)
 wait_up 8702 && wait_up 8703
 

@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from proxy.bench.report import environment, git_state, percentile, table  # noqa: E402
+from prefill_gate.proxy.bench.report import environment, git_state, percentile, table  # noqa: E402
 
 KEYS = ("completed", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
         "p99.9_itl_ms", "median_tpot_ms", "p99_tpot_ms")

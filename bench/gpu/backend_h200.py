@@ -1,4 +1,4 @@
-"""`--attention-backend CUSTOM` (engine_patches.attention) against vLLM's TRITON_ATTN, on real vLLM.
+"""`--attention-backend CUSTOM` (prefill_gate.engine_patches.attention) against vLLM's TRITON_ATTN, on real vLLM.
 
     python3 bench/gpu/backend_h200.py worker --backend CUSTOM --spec ngram --out DIR --lock FILE
     python3 bench/gpu/backend_h200.py compare DIR --json OUT.json
@@ -101,7 +101,7 @@ def repeated(rng, length: int, period: int) -> list[int]:
 def worker(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(ROOT))
-    import engine_patches
+    from prefill_gate import engine_patches
 
     engine_patches.register()  # not pip-installed on the device: register in-process
     import torch

@@ -26,8 +26,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.gpu.kernel_h200 import gpu_case  # noqa: E402
-from kernels.paged_attention import Scratch, paged_attention  # noqa: E402
-from kernels.reference import paged_attention_ref  # noqa: E402
+from prefill_gate.kernels.paged_attention import Scratch, paged_attention  # noqa: E402
+from prefill_gate.kernels.reference import paged_attention_ref  # noqa: E402
 from tests.kernel_tests.cases import make_case  # noqa: E402
 
 HQ, HKV, D, SPLITS = 32, 8, 128, 8

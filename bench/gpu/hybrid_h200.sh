@@ -103,7 +103,7 @@ case $PHASE in
     pacing PREFILL_GATE_PACING=off
     PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=5 \
       start_server s8001 8001 "${COMMON[@]}" $CACHE --max-num-batched-tokens 2048 \
-      --scheduler-cls engine_patches.pacing.PacedAsyncScheduler
+      --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler
     sleep 15
     start_server s8002 8002 "${COMMON[@]}" --max-num-batched-tokens 2048 $NOCACHE
     servers_up || exit 1

@@ -28,8 +28,8 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.paged_attention import LaunchConfig, paged_attention  # noqa: E402
-from kernels.reference import paged_attention_ref  # noqa: E402
+from prefill_gate.kernels.paged_attention import LaunchConfig, paged_attention  # noqa: E402
+from prefill_gate.kernels.reference import paged_attention_ref  # noqa: E402
 from tests.kernel_tests.cases import make_case  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

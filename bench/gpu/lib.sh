@@ -15,7 +15,7 @@ start_server() {  # name port args...: vLLM, or the simulator under DRY_RUN=1
       if [ $skip = 1 ]; then skip=0; continue; fi
       case $a in --scheduler-cls|--compilation-config) skip=1 ;; *) sim_args+=("$a") ;; esac
     done
-    setsid python3 -m proxy sim --port "$port" --served-model-name m "${sim_args[@]}" \
+    setsid python3 -m prefill_gate.proxy sim --port "$port" --served-model-name m "${sim_args[@]}" \
       > "$RES/server-$name.log" 2>&1 &
   else
     setsid python3 -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name m \
@@ -46,7 +46,7 @@ stop_server() {  # name: SIGINT to its process group, then wait (60 s) until it 
 
 proxy_up() {  # port upstream-port args...: a prefill-gate in front of a server (WAIT: its queue bound)
   local port=$1 upstream=$2; shift 2
-  setsid python3 -m proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" \
+  setsid python3 -m prefill_gate.proxy serve --upstream "http://127.0.0.1:$upstream" --port "$port" \
     --log-level "${PROXY_LOG_LEVEL:-warning}" --max-queue-wait "$WAIT" "$@" > "$RES/proxy-$port.log" 2>&1 &
   PIDS+=($!)
   wait_health "$port" 60 "$!"
@@ -68,7 +68,7 @@ bench() {  # label url; with GPU_CLOCKS=1 the GPU's SM clock, power and temperat
       --format=csv,noheader -lms 100 > "$RES/gpu-clocks-$1.csv" 2>/dev/null &
     sampler=$!
   fi
-  python3 -m proxy bench overlap --base-url "$2" --model m --runs "$RUNS" --label "$1" \
+  python3 -m prefill_gate.proxy bench overlap --base-url "$2" --model m --runs "$RUNS" --label "$1" \
     --json "$RES/$1.json" --plot "$RES/$1.png" 2>&1 | grep -v '^\[overlap\]' | tee -a "$RES/bench.log"
   [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
   return 0
@@ -84,7 +84,7 @@ bench_mixed() {  # label url [bench mixed args...]: steady load on SEED's schedu
                  # BASELINE s of the users alone; RES/mixed-LABEL.json
   local label=$1 url=$2; shift 2
   say "bench mixed $label -> $url $*"
-  python3 -m proxy bench mixed --base-url "$url" --label "$label" --model m --seed "${SEED:-0}" \
+  python3 -m prefill_gate.proxy bench mixed --base-url "$url" --label "$label" --model m --seed "${SEED:-0}" \
     --duration "$DURATION" --baseline-duration "$BASELINE" --time-scale "${TIME_SCALE:-1}" \
     --json "$RES/mixed-$label.json" "$@" 2>&1 | grep -v '^\[mixed\]' | tee -a "$RES/bench.log"
 }
@@ -93,9 +93,9 @@ mixed_report() {  # dir: every RES/mixed-*.json but the sparse rows merged into 
   local main sparse
   main=$(ls "$RES"/mixed-*.json 2>/dev/null | grep -v '/mixed-sparse-' | sort)
   sparse=$(ls "$RES"/mixed-sparse-*.json 2>/dev/null | sort)
-  [ -n "$main" ] && python3 -m proxy bench mixed-report $main --json "$1/mixed.json" --plot "$1/mixed.png" \
+  [ -n "$main" ] && python3 -m prefill_gate.proxy bench mixed-report $main --json "$1/mixed.json" --plot "$1/mixed.png" \
     > "$1/mixed-table.txt" 2>&1
-  [ -n "$sparse" ] && python3 -m proxy bench mixed-report $sparse --json "$1/mixed-sparse.json" \
+  [ -n "$sparse" ] && python3 -m prefill_gate.proxy bench mixed-report $sparse --json "$1/mixed-sparse.json" \
     > "$1/mixed-sparse-table.txt" 2>&1
   cat "$1"/mixed*-table.txt 2>/dev/null
 }

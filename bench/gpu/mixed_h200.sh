@@ -78,7 +78,7 @@ PREFILL_GATE_PACING_CAP_TOKENS=256" > "$RES/control-paced.env"
       sleep 12
       PREFILL_GATE_PACING_LOG_INTERVAL_S=5 PREFILL_GATE_PACING_CONTROL_FILE=$RES/control-paced.env \
         start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
-        --scheduler-cls engine_patches.pacing.PacedAsyncScheduler --compilation-config '{"cudagraph_mode":"FULL"}'
+        --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler --compilation-config '{"cudagraph_mode":"FULL"}'
     fi
   fi
   local ports=$STOCK; [ "$PACED_SERVER" = 1 ] || [ "${DRY_RUN:-0}" = 1 ] && ports="$STOCK $PACED"

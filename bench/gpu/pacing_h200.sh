@@ -61,7 +61,7 @@ WORK=${WORK:-$OUT}  # where results accumulate; the device returns few files: se
 mkdir -p "$OUT" "$WORK/res-$BATCH"
 RES=$(cd "$WORK/res-$BATCH" && pwd)
 source bench/gpu/lib.sh
-PACED_CLS=engine_patches.pacing.PacedAsyncScheduler
+PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
 
 case $BATCH in
   1) SERVERS=(

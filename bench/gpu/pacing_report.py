@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from proxy.bench.report import markdown_table
+from prefill_gate.proxy.bench.report import markdown_table
 
 COLUMNS = [
     ("batch", "batch"),

@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from proxy.bench.report import git_state, table
+from prefill_gate.proxy.bench.report import git_state, table
 
 NAME = re.compile(r"^paced(?:-(?P<kind>full|cold))?-adaptive-(?P<target>\d+)(?P<rest>[-\w]*)\.json$")
 

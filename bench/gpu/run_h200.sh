@@ -48,7 +48,7 @@ for c in "${CONFIGS[@]}"; do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null && bench "$name" "http://127.0.0.1:$port"
   if [ "$name" = direct-8192 ]; then
     say "starting prefill-gate in front of direct-8192"
-    setsid python3 -m proxy serve --upstream "http://127.0.0.1:$port" --port 8090 --log-level warning \
+    setsid python3 -m prefill_gate.proxy serve --upstream "http://127.0.0.1:$port" --port 8090 --log-level warning \
       > "$RES/proxy.log" 2>&1 &
     PIDS+=($!)
     wait_health 8090 60 "$!" && bench proxy-8192 "http://127.0.0.1:8090"
@@ -58,7 +58,7 @@ done
 
 python3 - "$RES" <<'EOF'
 import json, pathlib, sys
-from proxy.bench.report import OVERLAP_COLUMNS, markdown_table, table
+from prefill_gate.proxy.bench.report import OVERLAP_COLUMNS, markdown_table, table
 res = pathlib.Path(sys.argv[1])
 gpu = (res / "gpu.txt").read_text().split(",")[0].strip()
 rows = []

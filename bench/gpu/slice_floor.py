@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from proxy.bench.report import environment  # noqa: E402
+from prefill_gate.proxy.bench.report import environment  # noqa: E402
 
 SIZES = (1024, 4096, 8192, 16384, 28600)
 

@@ -15,7 +15,7 @@ import sys
 import httpx
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from proxy.bench.report import git_state  # noqa: E402
+from prefill_gate.proxy.bench.report import git_state  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import yaml
 
-from proxy.settings import Settings
+from prefill_gate.proxy.settings import Settings
 from tests.deploy.conftest import ROOT
 
 if os.environ.get("PREFILL_GATE_REQUIRE_DEPLOY_TOOLS") == "1":

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from proxy.bench.services import Service, free_port
+from prefill_gate.proxy.bench.services import Service, free_port
 from tests.conftest import stream_events
 from tests.deploy.conftest import ROOT, tool
 
@@ -61,7 +61,7 @@ def drive_paced_scheduler(tmp_path: Path, port: int) -> None:
     next to a stream (engine_patches' own harness plays the model runner)."""
     if os.environ.get("PREFILL_GATE_REQUIRE_ENGINE") != "1":
         pytest.importorskip("vllm")
-    from engine_patches.pacing import PacedScheduler
+    from prefill_gate.engine_patches.pacing import PacedScheduler
     from tests.engine.harness import Engine, build, model_dir
 
     os.environ.update(PREFILL_GATE_PACING="adaptive", PREFILL_GATE_PACING_TARGET_ITL_MS="15",

@@ -1,4 +1,4 @@
-"""The CUSTOM attention backend (engine_patches.attention) on the CPU.
+"""The CUSTOM attention backend (prefill_gate.engine_patches.attention) on the CPU.
 
 The builder is vLLM's own class hierarchy fed synthetic `CommonAttentionMetadata`: which
 rows take the split-KV launch, the reorder threshold vLLM sorts by, the scratch sizing.
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine_patches import ATTENTION_BACKEND, register
-from engine_patches import attention as attn
-from kernels.reference import paged_attention_ref
+from prefill_gate.engine_patches import ATTENTION_BACKEND, register
+from prefill_gate.engine_patches import attention as attn
+from prefill_gate.kernels.reference import paged_attention_ref
 from tests.engine.harness import MODEL_CONFIG, vllm_config
 
 HQ, HKV, D = MODEL_CONFIG["num_attention_heads"], MODEL_CONFIG["num_key_value_heads"], MODEL_CONFIG["head_dim"]

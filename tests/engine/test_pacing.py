@@ -10,7 +10,7 @@ import random
 import pytest
 from vllm.config.compilation import CUDAGraphMode
 
-from engine_patches.pacing import (
+from prefill_gate.engine_patches.pacing import (
     PacedAsyncScheduler,
     PacedScheduler,
     _mixed_step_graph_sizes,

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from engine_patches.config import PacingConfig, PacingConfigError
-from engine_patches.cost_model import StepCostModel, features
-from engine_patches.pacing import Pacer
+from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError
+from prefill_gate.engine_patches.cost_model import StepCostModel, features
+from prefill_gate.engine_patches.pacing import Pacer
 from tests.engine.harness import DEFAULT_GRAPH_SIZES
 
 

@@ -9,15 +9,15 @@ from importlib.metadata import entry_points
 import pytest
 from prometheus_client import CollectorRegistry
 
-import engine_patches
-from engine_patches.config import PacingConfig, PacingConfigError
-from engine_patches.cost_model import StepCostModel
-from engine_patches.telemetry import PacingTelemetry
+from prefill_gate import engine_patches
+from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError
+from prefill_gate.engine_patches.cost_model import StepCostModel
+from prefill_gate.engine_patches.telemetry import PacingTelemetry
 
 
 def test_entry_point_is_declared():
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("prefill_gate") == "engine_patches:register"
+    assert plugins.get("prefill_gate") == "prefill_gate.engine_patches:register"
 
 
 def test_register_validates_and_logs(monkeypatch, caplog):
@@ -34,7 +34,7 @@ def test_register_validates_and_logs(monkeypatch, caplog):
 def test_other_vllm_versions_are_refused(monkeypatch):
     import vllm
 
-    from engine_patches import _vllm
+    from prefill_gate.engine_patches import _vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.27.0")
     with pytest.raises(ImportError, match="supports vLLM 0.26.0 only, found 0.27.0"):

@@ -1,10 +1,10 @@
-"""engine_patches.routing.classify_rows: the per-row launch choice (pure)."""
+"""prefill_gate.engine_patches.routing.classify_rows: the per-row launch choice (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine_patches.routing import classify_rows, mode_from_env, split_query_cap
+from prefill_gate.engine_patches.routing import classify_rows, mode_from_env, split_query_cap
 
 
 def test_plain_decode_batch():
@@ -69,11 +69,11 @@ def test_mode_from_env():
 
 def test_routing_loads_without_the_kernel():
     """The plugin imports routing in every vLLM process; Triton and torch load only where
-    --attention-backend CUSTOM selects the kernel (engine_patches/__init__.py)."""
+    --attention-backend CUSTOM selects the kernel (prefill_gate/engine_patches/__init__.py)."""
     import subprocess
     import sys
 
-    code = ("import sys, engine_patches.routing; "
-            "print(sorted(m for m in ('triton', 'torch', 'kernels.paged_attention') if m in sys.modules))")
+    code = ("import sys, prefill_gate.engine_patches.routing; "
+            "print(sorted(m for m in ('triton', 'torch', 'prefill_gate.kernels.paged_attention') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

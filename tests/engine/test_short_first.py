@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine_patches.short_first import reserve_for_short
+from prefill_gate.engine_patches.short_first import reserve_for_short
 from tests.engine.harness import Engine
 from tests.engine.test_pacing import CLASSES, assert_paced, h200_like_cost, make
 
@@ -115,7 +115,7 @@ def test_a_short_prompt_waiting_behind_a_long_one_goes_first(cls, depth, tiny_mo
 
 
 def test_priority_first_then_short_first_within_a_priority(tiny_model, pacing_env):
-    from engine_patches.pacing import PacedScheduler
+    from prefill_gate.engine_patches.pacing import PacedScheduler
 
     pacing_env("cap", cap_tokens=256, short_tokens=1024)
     engine = Engine(make(PacedScheduler, 1, tiny_model, policy="priority"), depth=1)
@@ -170,7 +170,7 @@ def test_preemption_keeps_every_request(cls, depth, tiny_model, pacing_env, monk
 
 def test_a_cached_long_prompt_is_short(tiny_model, pacing_env):
     """An agent's turn re-sends the conversation: its cached prefix is not prefill work."""
-    from engine_patches.pacing import PacedScheduler
+    from prefill_gate.engine_patches.pacing import PacedScheduler
 
     pacing_env("cap", cap_tokens=256, short_tokens=1024)
     engine = Engine(make(PacedScheduler, 1, tiny_model, enable_prefix_caching=True), depth=1)

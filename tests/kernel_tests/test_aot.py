@@ -18,7 +18,7 @@ from tests.deploy.conftest import ROOT
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    subprocess.run([sys.executable, "-m", "kernels.aot", "--arch", "70", "80", "90", "--json", str(out)],
+    subprocess.run([sys.executable, "-m", "prefill_gate.kernels.aot", "--arch", "70", "80", "90", "--json", str(out)],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     return json.loads(out.read_text())["reports"]
 

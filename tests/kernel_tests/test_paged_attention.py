@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import Scratch, paged_attention
-from kernels.reference import paged_attention_ref
+from prefill_gate.kernels.paged_attention import Scratch, paged_attention
+from prefill_gate.kernels.reference import paged_attention_ref
 from tests.kernel_tests.cases import make_case
 
 PAGES = (1, 16, 48, 544, 784, 1568)
@@ -128,7 +128,7 @@ def test_mixed_batches(page, dtype):
 @pytest.mark.parametrize("split", [True, False])
 def test_the_sm70_tiling_matches_too(monkeypatch, split):
     """sm_70 walks KV in 16-position steps (``launch_config``): the same numerics."""
-    import kernels.paged_attention as pa
+    import prefill_gate.kernels.paged_attention as pa
 
     monkeypatch.setattr(pa, "device_capability", lambda device: (7, 0))
     assert pa.launch_config((7, 0), split)[0] == 16

@@ -1,0 +1,39 @@
+"""vLLM 0.26.0 patches for prefill-gate, loaded as a vLLM general plugin.
+
+    pip install "prefill-gate[engine]"   # registers the `vllm.general_plugins` entry point
+    PREFILL_GATE_PACING=cap PREFILL_GATE_PACING_CAP_TOKENS=256 \\
+      vllm serve MODEL --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler
+
+    PREFILL_GATE_SPEC_AS_DECODE=auto \
+      vllm serve MODEL --attention-backend CUSTOM --dtype float16   # sm_70 row routing
+
+`register()` runs in every vLLM process at start: it validates the PREFILL_GATE_PACING*
+and PREFILL_GATE_SPEC_AS_DECODE settings (a bad value stops vLLM with a message naming
+the variable), points vLLM's CUSTOM attention slot at `prefill_gate.engine_patches.attention` and logs
+what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend
+with `--attention-backend CUSTOM`; pacing has an environment kill switch
+(PREFILL_GATE_PACING=off).
+"""
+
+from __future__ import annotations
+
+import logging
+
+# Under "vllm." so that vLLM's logging configuration (handler, format, level) covers it.
+LOGGER = "vllm.prefill_gate"
+ATTENTION_BACKEND = "prefill_gate.engine_patches.attention.SplitRowsAttentionBackend"
+logger = logging.getLogger(LOGGER)
+
+
+def register() -> None:
+    from prefill_gate.engine_patches import _vllm  # the version check
+    from prefill_gate.engine_patches.config import PacingConfig
+    from prefill_gate.engine_patches.routing import mode_from_env
+
+    config = PacingConfig.from_env()
+    spec_as_decode = mode_from_env()
+    # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
+    _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
+    logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s)", _vllm.SUPPORTED_VLLM, config.describe(),
+                ATTENTION_BACKEND, spec_as_decode)

@@ -1,0 +1,442 @@
+"""Step pacing: bound the prefill work of each engine step while requests decode.
+
+vLLM's chunked prefill puts a long prompt's chunk and every streaming request's next
+token in the same step, so each of those tokens waits for the chunk. These schedulers
+change one thing about vLLM 0.26's `schedule()`: while any running request decodes and
+prefill work is pending, the step's prefill tokens are bounded.
+
+    PREFILL_GATE_PACING=cap       at most CAP_TOKENS prefill tokens per step
+    PREFILL_GATE_PACING=cadence   INTERVAL decode-only steps between prefill steps,
+                                  through vLLM's own `throttle_prefills` path
+    PREFILL_GATE_PACING=adaptive  the prefill tokens whose predicted step time meets
+                                  TARGET_ITL_MS, from a model fitted to measured steps
+    PREFILL_GATE_PACING=off       vLLM's own scheduling, untouched (the kill switch)
+
+Use `--scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler` when vLLM schedules
+asynchronously (its default in 0.26) and `prefill_gate.engine_patches.pacing.PacedScheduler` with
+`--no-async-scheduling`. With no request decoding nothing changes: a prompt that runs
+alone pays nothing for pacing.
+
+How the bound is applied, without re-implementing vLLM's scheduling loop: running
+requests that decode are moved ahead of those still prefilling (stable order within
+each group), so a prefilling request earlier in `running` can never take the budget
+from the decodes behind it; then the step's token budget is set to the decodes' own
+tokens (1 + k with k speculative tokens) plus the prefill cap, and the per-request
+`long_prefill_token_threshold` to at most the cap, for the duration of one `super()`
+call. Caps are whole KV blocks in hybrid align mode (never below one block: a smaller
+budget makes 0-token chunks and the prefill never advances), and by default they keep
+decode tokens + cap within the largest CUDA-graph capture size and lower it to a capture
+size: vLLM pads a step up to the next one, and the pad tokens cost what real ones do.
+
+Step durations for the adaptive fit are the intervals between `schedule()` calls: with
+the synchronous loop, the interval after a call is that step's duration; with the async
+batch queue (depth 2), it is the duration of the step scheduled one call earlier.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefill_gate.engine_patches import _vllm
+from prefill_gate.engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
+from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError, read_control_file
+from prefill_gate.engine_patches.cost_model import StepCostModel, features, is_mixed
+from prefill_gate.engine_patches.short_first import Arrangement, ShortFirst
+from prefill_gate.engine_patches.telemetry import PacingTelemetry
+
+logger = _vllm.init_logger("vllm.prefill_gate.pacing")
+
+# Intervals longer than this include idle time or a stall, not a step.
+MAX_STEP_SECONDS = 2.0
+# Adaptive mode keeps its starting cap until the fit has this many mixed steps (prefill
+# next to decodes): a line through decode-only and prefill-only steps misses what a small
+# mixed step costs (with piecewise graphs, several ms of its own).
+MIN_FIT_SAMPLES = 8
+# Adaptive mode's feedback on top of the model: it aims the predicted step time at
+# target * aim and moves `aim` so that about AIM_QUANTILE of the measured mixed steps
+# exceed the target (a stochastic quantile tracker), which absorbs what the model misses:
+# its bias, the step-time jitter, and tokens the linear model cannot see.
+AIM_QUANTILE = 0.05
+AIM_RATE = 0.04
+AIM_BOUNDS = (0.5, 1.25)
+# How often schedule() looks at PREFILL_GATE_PACING_CONTROL_FILE's modification time.
+CONTROL_POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What pacing does to one step: nothing, defer all prefill, or cap it."""
+
+    defer: bool = False
+    prefill_cap: int | None = None
+    unreachable: bool = False  # adaptive: the target is below a step without prefill
+
+
+@dataclass
+class _StepRecord:
+    tokens: int
+    x: tuple[float, ...]
+
+
+class Pacer:
+    """Per-step decisions; no vLLM state, so the policy reads (and tests) on its own."""
+
+    def __init__(
+        self,
+        config: PacingConfig,
+        *,
+        block_size: int | None = None,
+        graph_sizes: Sequence[int] = (),
+        model: StepCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size  # set only in hybrid align mode
+        self.graph_sizes = tuple(sorted(graph_sizes))  # vLLM's capture sizes for mixed steps
+        self.model = model or StepCostModel()
+        self.deferred_in_row = 0
+        self.aim = 0.95
+
+    @property
+    def graph_limit(self) -> int | None:
+        """The largest CUDA-graph capture size when the clamp applies."""
+        return self.graph_sizes[-1] if self.graph_sizes and self.config.graph_clamp else None
+
+    def plan(
+        self,
+        *,
+        decoding: bool,
+        prefill_pending: bool,
+        decode_tokens: int,
+        prefill_start: int,
+        engine_throttle: bool = False,
+    ) -> StepPlan:
+        mode = self.config.mode
+        if mode == "off" or not (decoding and prefill_pending):
+            self.deferred_in_row = 0
+            return StepPlan()
+        if mode == "cadence":
+            if self.deferred_in_row < self.config.interval or (
+                engine_throttle and self.deferred_in_row < self.config.max_deferred
+            ):
+                self.deferred_in_row += 1
+                return StepPlan(defer=True)
+            self.deferred_in_row = 0
+            return StepPlan()
+        if mode == "cap":
+            return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens))
+        cap = self._adaptive_cap(decode_tokens, prefill_start)
+        if cap is None:  # no prefill size meets the target: the configured cap, not starvation
+            return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens),
+                            unreachable=True)
+        return StepPlan(prefill_cap=self._fit_cap(cap, decode_tokens))
+
+    def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int | None:
+        """The prefill tokens the fitted model allows within the target, or None when the
+        model predicts that even a step without prefill takes longer than the target.
+
+        The aim scales only the prefill's share of the target (target minus the predicted
+        step without prefill): when steps come out slower than predicted the tracker
+        shrinks the prefill, but it can never talk the budget down to nothing. A target
+        the model says is out of reach (e.g. steps bound by the host CPU, whose time does
+        not shrink with the prefill) falls back to CAP_TOKENS: smaller chunks would only
+        slow the prompt, not speed up the decodes.
+        """
+        if self.model.mixed_samples < MIN_FIT_SAMPLES:
+            return self.config.cap_tokens
+        assert self.config.target_itl_s is not None
+        target = self.config.target_itl_s
+        base = self.model.predict(features(decode_rows, []))
+        if base >= target:
+            return None
+        n = self.model.prefill_budget(base + self.aim * (target - base), decode_rows, prefill_start)
+        if math.isinf(n):
+            return self.config.cap_tokens
+        return max(self.config.min_tokens, int(n))
+
+    def feedback(self, seconds: float) -> None:
+        """A measured step that ran prefill next to decodes (adaptive mode)."""
+        if self.config.mode != "adaptive" or self.config.target_itl_s is None:
+            return
+        if seconds > self.config.target_itl_s:
+            self.aim *= 1 - AIM_RATE
+        else:
+            self.aim *= 1 + AIM_RATE * AIM_QUANTILE / (1 - AIM_QUANTILE)
+        self.aim = min(max(self.aim, AIM_BOUNDS[0]), AIM_BOUNDS[1])
+
+    def _fit_cap(self, cap: int, decode_tokens: int) -> int:
+        limit = self.graph_limit
+        if limit is not None and decode_tokens < limit:
+            cap = min(cap, limit - decode_tokens)
+        quantum = self.config.step_quantum
+        if quantum and (decode_tokens + cap) // quantum * quantum > decode_tokens:
+            cap = (decode_tokens + cap) // quantum * quantum - decode_tokens
+        if self.config.graph_align:
+            cap = self._align_to_graph(cap, decode_tokens)
+        cap = max(cap, 1)
+        if self.block_size:
+            cap = max(self.block_size, cap // self.block_size * self.block_size)
+        return cap
+
+    def _align_to_graph(self, cap: int, decode_tokens: int) -> int:
+        """Lower the cap so the step fills a capture size: vLLM pads a step up to the next
+        one and computes the pad tokens in full, so 256 prefill tokens + 1 decode cost a
+        272-token step where 255 + 1 cost 256. Steps past the largest size run unpadded."""
+        sizes = self.graph_sizes
+        total = decode_tokens + cap
+        if not sizes or total > sizes[-1]:
+            return cap
+        fit = sizes[bisect.bisect_right(sizes, total) - 1] if total >= sizes[0] else 0
+        return fit - decode_tokens if fit > decode_tokens else cap
+
+
+class _PacingMixin:
+    """The `schedule()` override shared by both scheduler classes."""
+
+    _schedule_lag = 0  # which earlier step the interval between two calls measures
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = PacingConfig.from_env()
+        align = self._model_aligns = self.need_mamba_block_aligned_split
+        self._graph_sizes = _mixed_step_graph_sizes(self.vllm_config)
+        self.pacer = Pacer(
+            config,
+            block_size=self.cache_config.block_size if align else None,
+            graph_sizes=self._graph_sizes,
+        )
+        self.pacing_clock = time.perf_counter
+        self.pacing_telemetry = PacingTelemetry(config, self.pacer.model)
+        self._pacing_steps: deque[_StepRecord] = deque(maxlen=4)
+        self._pacing_last_call: float | None = None
+        self.short_first = ShortFirst(self)
+        self._arrangement: Arrangement | None = None  # this step's, during super().schedule()
+        self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
+        self._control_seen: int | None = None  # the control file's mtime (ns) last read
+        self._control_next_poll = 0.0
+        trace = os.environ.get("PREFILL_GATE_PACING_TRACE_FILE") or None
+        # line-buffered, so a killed engine leaves every step it ran in the file
+        self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None  # noqa: SIM115 (open for the engine's life)
+        self._log_pacing()
+
+    def _log_pacing(self) -> None:
+        config = self.pacer.config
+        piecewise = self.vllm_config.compilation_config.cudagraph_mode.mixed_mode() == _vllm.CUDAGraphMode.PIECEWISE
+        if config.mode == "adaptive" and self._graph_sizes and piecewise:
+            logger.warning(
+                "prefill-gate adaptive pacing with piecewise CUDA graphs for mixed steps: their "
+                "attention runs outside the graphs and their time follows the host CPU, which the "
+                "target may not survive; start vLLM with --compilation-config "
+                "'{\"cudagraph_mode\":\"FULL\"}' (docs/RESULTS.md, section 5b)"
+            )
+        logger.info(
+            "prefill-gate %s%s%s%s%s",
+            config.describe(),
+            f"; caps in whole blocks of {self.pacer.block_size}" if self.pacer.block_size else "",
+            f"; decode tokens + cap <= {self.pacer.graph_limit} (largest CUDA graph)"
+            if self.pacer.graph_limit and config.mode in ("cap", "adaptive")
+            else "",
+            "; decode tokens + cap lowered to a CUDA-graph capture size"
+            if self.pacer.graph_sizes and config.graph_align and config.mode in ("cap", "adaptive")
+            else "",
+            f"; control file {self._control_path}" if self._control_path else "",
+        )
+
+    def _poll_control_file(self, now: float) -> None:
+        if now < self._control_next_poll:
+            return
+        self._control_next_poll = now + CONTROL_POLL_SECONDS
+        try:
+            mtime = os.stat(self._control_path).st_mtime_ns
+        except OSError:
+            return  # absent: keep the running settings
+        if mtime == self._control_seen:
+            return
+        self._control_seen = mtime
+        try:
+            config = read_control_file(self._control_path, os.environ)
+        except (OSError, PacingConfigError) as exc:
+            logger.error("prefill-gate pacing: control file ignored, settings kept: %s", exc)
+            return
+        old = self.pacer
+        self.pacer = Pacer(config, block_size=old.block_size, graph_sizes=self._graph_sizes, model=old.model)
+        if config.target_itl_s == old.config.target_itl_s:
+            self.pacer.aim = old.aim  # the aim learned for this target still holds
+        self.pacing_telemetry.config = config
+        self._log_pacing()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        now = self.pacing_clock()
+        if self._control_path is not None:
+            self._poll_control_file(now)
+        if self.pacer.config.mode == "off":
+            return super().schedule(throttle_prefills)
+        self._observe_step_time(now)
+
+        step = self.current_step + 1  # super().schedule() increments it first
+        config = self.pacer.config
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if _vllm.is_decoding(request) else prefills).append(request)
+        decode_tokens = {r.request_id: _vllm.decode_tokens(self, r, step) for r in decodes}
+        # A request whose last token is already in flight (async scheduling) gets no token
+        # this step: it does not make the step a decode step.
+        decoding = any(decode_tokens.values())
+        short_run: list[Request] = []
+        short_first = bool(config.short_tokens and decoding and config.mode in ("cap", "adaptive"))
+        if short_first:  # long prefills take their clamped share first, short ones the rest
+            short_run, prefills = self.short_first.split_running(prefills, config.short_tokens)
+        ordered = decodes + prefills + short_run
+        if any(a is not b for a, b in zip(self.running, ordered)):
+            self.running[:] = ordered
+        plan = self.pacer.plan(
+            decoding=decoding,
+            prefill_pending=bool(short_run or prefills or self.waiting or self.skipped_waiting),
+            decode_tokens=sum(decode_tokens.values()),
+            prefill_start=(prefills or short_run)[0].num_computed_tokens if prefills or short_run else 0,
+            engine_throttle=throttle_prefills,
+        )
+
+        arrangement = None
+        if plan.defer:
+            # vLLM disables its throttle while prefill capacity is saturated (a DP
+            # balancing heuristic); the cadence is bounded by MAX_DEFERRED instead.
+            self.prefill_capacity_bound = False
+            output = super().schedule(True)
+        elif plan.prefill_cap is not None:
+            if short_first:
+                arrangement = self.short_first.arrange(
+                    cap=plan.prefill_cap, short_run=short_run, long_run=prefills,
+                    short_tokens=config.short_tokens, long_min_share=config.long_min_share,
+                    block_size=self.pacer.block_size)
+            output = self._schedule_capped(sum(decode_tokens.values()) + plan.prefill_cap, plan.prefill_cap,
+                                           arrangement)
+        else:
+            output = super().schedule(throttle_prefills and config.mode != "cadence")
+
+        self._record_step(output, {r.request_id for r in decodes}, plan, now, arrangement)
+        return output
+
+    def _schedule_capped(self, budget: int, cap: int, arrangement: Arrangement | None) -> SchedulerOutput:
+        config = self.scheduler_config
+        saved_budget = self.max_num_scheduled_tokens
+        saved_threshold = config.long_prefill_token_threshold
+        self.max_num_scheduled_tokens = min(saved_budget, budget)
+        config.long_prefill_token_threshold = (
+            cap if saved_threshold <= 0 else min(saved_threshold, cap)
+        )
+        self._arrangement = arrangement
+        try:
+            with self.short_first.applied(arrangement):
+                return super().schedule(False)
+        finally:
+            self._arrangement = None
+            self.max_num_scheduled_tokens = saved_budget
+            config.long_prefill_token_threshold = saved_threshold
+
+    def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, *args) -> int:
+        """The per-request seam both of vLLM's loops call after sizing a chunk (see
+        prefill_gate.engine_patches.short_first): this step's clamp on long prefills, then vLLM's own
+        block alignment where the model needs it."""
+        arrangement = self._arrangement
+        if arrangement is not None:
+            num_new_tokens = arrangement.clamp(request.request_id, num_new_tokens)
+        if self._model_aligns:
+            num_new_tokens = super()._mamba_block_aligned_split(request, num_new_tokens, *args)
+        if arrangement is not None:
+            arrangement.took(request.request_id, num_new_tokens)
+        return num_new_tokens
+
+    def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan,
+                     now: float, arrangement: Arrangement | None = None) -> None:
+        decode_rows = 0
+        chunks: list[tuple[int, int]] = []
+        for req_id, n in output.num_scheduled_tokens.items():
+            if req_id in decode_ids:
+                decode_rows += 1
+            else:
+                # _update_after_schedule has already advanced num_computed_tokens.
+                start = self.requests[req_id].num_computed_tokens - n
+                chunks.append((start, n))
+        x = features(decode_rows, chunks)
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x))
+        short_tokens = 0
+        if arrangement is not None and (arrangement.long_ids or arrangement.waiting_order is not None):
+            # a short prompt went ahead of a long one that wanted the same tokens
+            short_tokens = sum(n for rid, n in output.num_scheduled_tokens.items() if rid in arrangement.short_ids)
+        self.pacing_telemetry.step(
+            decode_rows=decode_rows,
+            prefill_tokens=sum(n for _, n in chunks),
+            plan_cap=plan.prefill_cap,
+            deferred=plan.defer,
+            unreachable=plan.unreachable,
+            short_first=short_tokens > 0,
+        )
+        if self._trace is not None and output.total_num_scheduled_tokens:
+            self._write_trace(now, decode_rows, chunks, plan, x, short_tokens)
+
+    def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
+                     plan: StepPlan, x: tuple[float, ...], short_tokens: int) -> None:
+        """One JSON line per step with work in it while pacing is on: what was scheduled
+        and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one). `t` is when schedule() was called. With the synchronous loop a step lasts
+        until the next line's `t`; with async scheduling (two steps in flight) its duration
+        is the gap between the next two lines' `t`."""
+        adaptive = self.pacer.config.mode == "adaptive"
+        record = {
+            "step": self.current_step, "t": round(now, 6), "mode": self.pacer.config.mode,
+            "decode_rows": decode_rows, "chunks": chunks, "cap": plan.prefill_cap,
+            "deferred": plan.defer, "unreachable": plan.unreachable,
+            "short_first_tokens": short_tokens,
+            "aim": round(self.pacer.aim, 4) if adaptive else None,
+            "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
+        }
+        self._trace.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def _observe_step_time(self, now: float) -> None:
+        last, self._pacing_last_call = self._pacing_last_call, now
+        if last is None or self.pacer.config.mode != "adaptive":
+            return
+        steps = self._pacing_steps
+        lag = self._schedule_lag
+        if len(steps) < 1 + lag:
+            return
+        measured = steps[-1 - lag]
+        # Every step between the measured one and now must have run (no idle gap).
+        if any(s.tokens == 0 for s in list(steps)[-1 - lag :]):
+            return
+        seconds = now - last
+        if 0 < seconds < MAX_STEP_SECONDS:
+            self.pacer.model.observe(measured.x, seconds)
+            if is_mixed(measured.x):
+                self.pacer.feedback(seconds)
+            self.pacing_telemetry.fitted(seconds, self.pacer.aim)
+
+
+def _mixed_step_graph_sizes(vllm_config) -> tuple[int, ...]:
+    """The CUDA-graph sizes a step with prefill in it is padded to; () when such steps
+    run eagerly (enforce_eager, cudagraph_mode NONE or FULL_DECODE_ONLY)."""
+    compilation = vllm_config.compilation_config
+    if vllm_config.model_config.enforce_eager or compilation.cudagraph_mode is None:
+        return ()
+    if compilation.cudagraph_mode.mixed_mode() == _vllm.CUDAGraphMode.NONE:
+        return ()
+    return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
+
+
+class PacedScheduler(_PacingMixin, Scheduler):
+    """vLLM's synchronous scheduler with step pacing (`--no-async-scheduling`)."""
+
+    _schedule_lag = 0
+
+
+class PacedAsyncScheduler(_PacingMixin, AsyncScheduler):
+    """vLLM's async scheduler (0.26's default) with step pacing."""
+
+    _schedule_lag = 1

@@ -1,0 +1,140 @@
+"""Compile the kernel ahead of time for a GPU that is not here, and read its resources.
+
+    python -m prefill_gate.kernels.aot [--arch 70 80 90] [--dtype fp16] [--head-dim 128]
+
+Triton's own compiler builds PTX and a cubin for the target (``GPUTarget("cuda", arch,
+32)``) on a CPU-only machine; ``ptxas -v`` (shipped with Triton) then reports registers
+and spill traffic per kernel. CI runs this for sm_70, sm_80 and sm_90 and requires no
+spills at head_dim 128 on sm_70 (V100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from prefill_gate.kernels.paged_attention import MERGE_ROWS, ROWS, _merge_splits, _tile_attention, launch_config
+
+PTR_ARGS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
+F32_PTR_ARGS = {"part_m_ptr", "part_l_ptr", "part_acc_ptr"}
+I32_PTR_ARGS = {"block_table_ptr", "seq_lens_ptr", "query_start_ptr", "counter_ptr"}
+F32_ARGS = {"scale", "softcap"}
+
+
+@dataclass
+class Report:
+    kernel: str
+    num_warps: int
+    arch: int
+    dtype: str
+    head_dim: int
+    split: bool
+    registers: int
+    spill_stores_bytes: int
+    spill_loads_bytes: int
+    shared_bytes: int
+
+
+def _signature(fn, dtype: str, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in PTR_ARGS:
+            sig[name] = f"*{dtype}"
+        elif name in F32_PTR_ARGS:
+            sig[name] = "*fp32"
+        elif name in I32_PTR_ARGS:
+            sig[name] = "*i32"
+        elif name in F32_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _ptxas(ptx: str, arch: int) -> dict:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)  # sm_90 kernels target sm_90a
+    try:
+        run = subprocess.run([ptxas, "-v", f"--gpu-name={target.group(1) if target else f'sm_{arch}'}", f.name,
+                              "-o", os.devnull], capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas failed for sm_{arch}: {run.stderr.strip()[-2000:]}")
+    out = run.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    smem = re.search(r"(\d+) bytes smem", out)
+    return {"registers": int(regs.group(1)) if regs else -1,
+            "spill_stores_bytes": int(spills.group(1)) if spills else 0,
+            "spill_loads_bytes": int(spills.group(2)) if spills else 0,
+            "shared_bytes": int(smem.group(1)) if smem else 0}
+
+
+def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: int = 8,
+                   split: bool = True) -> list[Report]:
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    target = GPUTarget("cuda", arch, 32)
+    tile_n, num_warps, num_stages = launch_config((arch // 10, arch % 10), split)
+    reports = []
+    tile = {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": max(1, ROWS // group_pad), "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": head_dim_pad, "TILE_N": tile_n, "NUM_SPLITS": 8 if split else 1, "SPLIT": split,
+            "FUSE_MERGE": split, "MERGE_ROWS": MERGE_ROWS, "USE_SOFTCAP": False, "USE_WINDOW": False,
+            "IEEE": dtype == "fp32"}
+    merge = {"NUM_SPLITS": 8, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad}
+    kernels = [(_tile_attention, tile)] + ([(_merge_splits, merge)] if split else [])
+    for fn, constexprs in kernels:
+        src = ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs), constexprs=constexprs)
+        warps = num_warps if fn is _tile_attention else 4
+        options = {"num_warps": warps}
+        if fn is _tile_attention and num_stages is not None:
+            options["num_stages"] = num_stages
+        compiled = triton.compile(src, target=target, options=options)
+        res = _ptxas(compiled.asm["ptx"], arch)
+        reports.append(Report(fn.__name__, warps, arch, dtype, head_dim, split, **res))
+    return reports
+
+
+def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:
+    """Every kernel, split and not, for each target (dtype: fp16 on sm_70, bf16 elsewhere)."""
+    rows = []
+    for arch in arches:
+        dt = dtype or ("fp16" if arch < 80 else "bf16")
+        for split in (True, False):
+            rows += [asdict(r) for r in compile_report(arch, dt, head_dim, split=split)]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, nargs="+", default=[70, 80, 90])
+    p.add_argument("--dtype", default=None, help="fp16 or bf16 (default: fp16 on sm_70, bf16 elsewhere)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = all_reports(args.arch, args.dtype, args.head_dim)
+    for r in rows:
+        print(f"sm_{r['arch']} {r['dtype']} d={r['head_dim']} {r['kernel']:<16} split={r['split']!s:<5} "
+              f"regs={r['registers']:<4} spill st/ld={r['spill_stores_bytes']}/{r['spill_loads_bytes']} B "
+              f"smem={r['shared_bytes']} B")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "reports": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

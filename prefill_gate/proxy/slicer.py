@@ -1,0 +1,381 @@
+"""Sliced prefill: warm the upstream's prefix cache with growing prefixes of a prompt.
+
+vLLM caches a prompt's KV blocks (automatic prefix caching) and a later prompt that
+starts with the same token ids computes only what follows them. So a long prompt can be
+prefilled next to live streams as a series of small requests over growing, block-aligned
+prefixes of its exact token ids (``/v1/completions``, ``max_tokens: 1``), one at a time,
+each a short engine step for the streams; then the client's own request, unchanged,
+finds all but the tail cached. Correctness never depends on it: a prefix the engine did
+not keep only costs the final request its prefill again (and shows in
+``prefill_gate_slice_cache_miss_tokens_total``).
+
+The token ids come from the upstream's ``/tokenize``, asked with everything vLLM's chat
+endpoint renders the prompt with; a request carrying what ``/tokenize`` cannot express
+(images, ``truncate_prompt_tokens``, ``tool_choice: none``...) or asking for
+``prompt_logprobs`` (which bypasses the cache) is not sliceable and is held instead.
+
+Slice sizes follow the protected streams: the largest gap a protected stream on that
+upstream saw while each slice ran feeds a cost model of slices there (per token, and per
+token of context), and each slice is the largest predicted to keep the streams within
+``slice_gap_ms`` and, by the model's recent errors, within ``max_gap_ms``; within
+``[min_slice_tokens, max_slice_tokens]``, in whole KV blocks (``SliceSizer``). A slice
+waits (at most ``slice_settle_ms``) until no other request on its upstream is prefilling:
+an interactive prompt's prefill in the same engine step would add its cost to the slice's
+in the streams' gap, and the slice would delay that request's first token.
+
+With ``slice_inflight`` 2, the next slice is sent while one runs, half a round trip after
+it: vLLM caches a request's KV blocks when it schedules them, so a slice arriving while the
+previous one computes finds its prefix cached in the very next step, and the engine's
+intake of one slice (parsing the ids, hashing every block: ~12 ms plus ~1 us a token on
+the H200) runs under the other's step instead of between steps. Slices meeting in one step
+by mistake are still correct (each layer writes the step's KV before attending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Sequence
+
+from prefill_gate.engine_patches.cost_model import solve_augmented
+
+# A slice's own answer is one token of JSON: anything longer is not vLLM.
+MAX_SLICE_ANSWER_BYTES = 64 * 1024
+
+
+def tokenize_payload(body: dict, endpoint: str) -> dict | None:
+    """The ``/tokenize`` request that renders this request's prompt as vLLM 0.26 would
+    (chat: the same template arguments, merged the same way), ``{"ids": [...]}`` for a
+    token-id prompt, or None when the request cannot be sliced faithfully."""
+    if body.get("prompt_logprobs") or body.get("truncate_prompt_tokens") is not None:
+        return None  # prompt logprobs bypass the prefix cache; truncation changes the prompt
+    if body.get("mm_processor_kwargs") or body.get("media_io_kwargs"):
+        return None
+    model = body.get("model")
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            return {"ids": prompt}
+        if isinstance(prompt, str):
+            return {"model": model, "prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+        return None  # batches of prompts
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(_text_only(m) for m in messages):
+        return None
+    if body.get("tools") and body.get("tool_choice") == "none":
+        return None  # the server may render without tools (exclude_tools_when_tool_choice_none)
+    payload: dict[str, Any] = {
+        "model": model, "messages": messages,
+        "add_generation_prompt": body.get("add_generation_prompt", True),
+        "continue_final_message": body.get("continue_final_message", False),
+        "add_special_tokens": body.get("add_special_tokens", False),
+    }
+    for key in ("chat_template", "tools"):
+        if body.get(key) is not None:
+            payload[key] = body[key]
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    # What the chat endpoint adds to the template's arguments and /tokenize does not take.
+    if body.get("documents") is not None:
+        kwargs["documents"] = body["documents"]
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort != "auto":
+            kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in (body.get("chat_template_kwargs") or {}):
+            kwargs["enable_thinking"] = effort != "none"
+    if kwargs:
+        payload["chat_template_kwargs"] = kwargs
+    return payload
+
+
+def _text_only(message: Any) -> bool:
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if isinstance(content, list):
+        return all(isinstance(p, dict) and p.get("type", "text") == "text" for p in content)
+    return content is None or isinstance(content, str)
+
+
+class IdPrefixes:
+    """One JSON encoding of the ids, cut at block boundaries: a slice's ``prompt`` costs a
+    slice of bytes, not an encoding of its whole prefix."""
+
+    def __init__(self, ids: Sequence[int], block: int):
+        self.n = len(ids)
+        self.block = block
+        text = ",".join(map(str, ids))
+        self._text = text.encode()
+        self._ends = []  # byte offset after each whole block's last id
+        pos = 0
+        for i, tok in enumerate(ids):
+            pos += len(str(tok)) + (1 if i else 0)
+            if (i + 1) % block == 0:
+                self._ends.append(pos)
+
+    def json(self, tokens: int) -> bytes:
+        """``[id, ...]`` of the first ``tokens`` ids (a multiple of the block)."""
+        return b"[" + self._text[: self._ends[tokens // self.block - 1]] + b"]"
+
+
+# The cost model: how many recent slices it is fitted to, how much less each older one
+# weighs, how many it needs before it sizes slices, and which quantile of its recent errors
+# it keeps as a margin below ``max_gap``.
+COST_KEPT = 64
+COST_DECAY = 0.97
+COST_MIN_SLICES = 8
+COST_TAIL_QUANTILE = 0.97
+# A size no larger than this many times the largest slice the model was fitted to: it
+# extrapolates only so far.
+COST_EXTRAPOLATE = 1.5
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """``gap = a + b*n + c*n*(p + n/2)`` in seconds: the largest protected gap while a slice
+    of ``n`` new tokens after a cached prefix of ``p`` runs (a step's fixed part, the slice's
+    per-token work, its attention over the context: ``n`` tokens at a mean context of
+    ``p + n/2``). ``margin``: the recent errors' high quantile (seconds, >= 0)."""
+
+    a: float
+    b: float
+    c: float
+    margin: float
+    largest: int  # the largest slice among the fitted ones
+
+    def gap(self, n: int, p: int) -> float:
+        return self.a + self.b * n + self.c * n * (p + n / 2)
+
+    def tokens_within(self, aim_s: float, p: int) -> float:
+        """The (real) slice size whose predicted gap is ``aim_s`` at prefix ``p`` (0 if even
+        one token is predicted over it)."""
+        room = aim_s - self.a
+        if room <= 0:
+            return 0.0
+        slope = self.b + self.c * p  # the quadratic c/2 n^2 + slope n - room = 0, for n >= 0
+        if self.c <= 0:
+            return room / slope if slope > 0 else 0.0
+        return 2 * room / (slope + (slope * slope + 2 * self.c * room) ** 0.5)
+
+
+def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
+             tail_quantile: float = COST_TAIL_QUANTILE) -> CostFit | None:
+    """Weighted least squares of ``CostFit``'s model over ``(n, p, gap_s)`` observations,
+    oldest first (weight ``decay ** age``). A model whose gap would not grow with ``n`` is
+    refitted without its offending term. None when no fit explains the data as a step
+    would: too few slices, all of one size at one prefix, or a negative fixed part.
+
+    The engine's cost is not one line: a step within its largest CUDA graph (vLLM: 512
+    tokens) replays the graph and one just over it does not (on the H200, ~16 ms for 496
+    new tokens beside 12 streams, ~40 ms for 512). Slices on both sides of that step fit
+    a line through both clusters, with a negative fixed part and a slope that calls any
+    larger slice too dear: refused (``SliceSizer`` keeps its last fit)."""
+    if len(obs) < 2:
+        return None
+    rows = [(decay ** age, (1.0, n / 1e3, n * (p + n / 2) / 1e7), gap)  # features of similar magnitudes
+            for age, (n, p, gap) in enumerate(reversed(obs))]
+    best = None
+    for terms in ((0, 1, 2), (0, 2), (0, 1)):
+        coef = _weighted_lstsq(rows, terms)
+        if coef is None:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for t, v in zip(terms, coef):
+            full[t] = v
+        if full[1] < 0 or full[2] < 0 or full[1] + full[2] <= 0 or full[0] < 0:
+            continue  # the gap must grow with the slice, from a fixed part of at least 0
+        sse = sum(w * (gap - sum(f * x for f, x in zip(full, xs))) ** 2 for w, xs, gap in rows)
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, full)
+        if terms == (0, 1, 2):
+            break  # the full model holds: the nested ones can only fit worse
+    if best is None:
+        return None
+    fit = CostFit(best[1][0], best[1][1] / 1e3, best[1][2] / 1e7, 0.0, max(n for n, _, _ in obs))
+    errors = sorted(gap - fit.gap(n, p) for n, p, gap in obs)
+    margin = max(0.0, errors[int(tail_quantile * (len(errors) - 1))])  # of 8 to 33 slices: the second largest
+    return replace(fit, margin=margin)
+
+
+def _weighted_lstsq(rows, terms) -> list[float] | None:
+    """Solve the normal equations of a weighted least squares restricted to ``terms``;
+    None when singular."""
+    k = len(terms)
+    m = [[0.0] * (k + 1) for _ in range(k)]
+    for w, xs, y in rows:
+        sel = [xs[t] for t in terms]
+        for i in range(k):
+            wi = w * sel[i]
+            for j in range(k):
+                m[i][j] += wi * sel[j]
+            m[i][k] += wi * y
+    scale = max(m[i][i] for i in range(k))
+    return solve_augmented(m, 1e-9 * scale) if scale > 0 else None
+
+
+@dataclass
+class SliceSizer:
+    """Slice size per upstream, from what slices cost the protected streams there.
+
+    Each slice a stream saw adds ``(tokens, prefix, largest gap)`` to a cost model
+    (``fit_cost``); once it has ``COST_MIN_SLICES`` of them, a slice is the largest whose
+    predicted gap at its own prefix stays within the aim: ``target_s``, and ``max_gap_s``
+    less the model's recent errors' high quantile (the promise is about the worst gap, not
+    the typical one). The model carries from one prompt to the next and knows that the
+    same slice costs more deeper into a prompt, so early slices are large and late ones
+    small from the start, with no overshoot while a size is found again.
+
+    Until then (and whenever no fit grows with the slice), the size moves with each slice's
+    gap, multiplicatively: at most 1.5x up or 2x down per slice, so a noisy gap cannot swing
+    it. A slice no stream saw grows it 1.5x, unless ``hold_unwatched`` (slicing with nothing
+    live, for arrivals' sake: a stream starting next must find slices still sized to the
+    gap target)."""
+
+    target_s: float
+    min_tokens: int
+    max_tokens: int
+    tokens: int = 512
+    hold_unwatched: bool = False
+    max_gap_s: float | None = None
+    history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, prefix, gap_s)
+    _fit: CostFit | None = None
+    _stale: bool = False
+    _unfit: int = 0  # slices since the last fit
+
+    def model(self) -> CostFit | None:
+        """The cost model, refitted after new slices (None until it has enough). When the
+        recent slices admit no fit (``fit_cost``), the last fit stands, for at most
+        ``COST_KEPT`` slices: data straddling the engine's graph step must not make the
+        sizer forget what larger slices cost."""
+        if self._stale:
+            fit = fit_cost(self.history) if len(self.history) >= COST_MIN_SLICES else None
+            if fit is not None:
+                self._fit, self._unfit = fit, 0
+            else:
+                self._unfit += 1
+                if self._unfit > COST_KEPT:
+                    self._fit = None
+            self._stale = False
+        return self._fit
+
+    def aim_s(self, fit: CostFit | None = None) -> float:
+        if fit is None or self.max_gap_s is None:
+            return self.target_s
+        return min(self.target_s, self.max_gap_s - fit.margin)
+
+    def size(self, block: int, prefix: int = 0) -> int:
+        """The next slice, in whole blocks, at least ``min_tokens``; ``prefix``: the tokens
+        already cached (where the slice starts)."""
+        fit = self.model()
+        if fit is not None:
+            want = min(fit.tokens_within(self.aim_s(fit), prefix), COST_EXTRAPOLATE * fit.largest)
+            self.tokens = int(min(self.max_tokens, max(self.min_tokens, want)))
+        lo = -(-self.min_tokens // block) * block
+        return max(lo, min(self.tokens, self.max_tokens) // block * block)
+
+    def after(self, max_gap_s: float | None, tokens: int | None = None, prefix: int = 0) -> None:
+        """A slice of ``tokens`` after ``prefix`` cached ran; ``max_gap_s``: the largest
+        protected gap meanwhile (None: no stream saw it)."""
+        if max_gap_s is not None and tokens:
+            self.history.append((tokens, prefix, max_gap_s))
+            del self.history[:-COST_KEPT]
+            self._stale = True
+        if max_gap_s is None:
+            factor = 1.0 if self.hold_unwatched else 1.5
+        else:
+            factor = min(1.5, max(0.5, self.target_s / max(max_gap_s, 1e-4)))
+        self.tokens = int(min(self.max_tokens, max(self.min_tokens, self.tokens * factor)))
+
+
+@dataclass
+class SliceRun:
+    slices: int = 0
+    tokens: int = 0  # the prefix length the slices covered
+    seconds: float = 0.0
+    stopped: str = ""  # why slicing ended before the last whole block ("" if it did not)
+    settling_s: float = 0.0  # waited for other requests' prefills to end before slices
+    gaps: list[float | None] = field(default_factory=list)  # each slice's largest protected gap (None: unseen)
+    sizes: list[int] = field(default_factory=list)  # each slice's new tokens
+
+
+SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream answered 200
+
+
+async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: SendSlice, *,
+                     model: str | None, cache_salt: str | None, deadline: float,
+                     window: Callable[[], Any], window_end: Callable[[Any], Awaitable[float | None]],
+                     settle: Callable[[], Awaitable[float]] | None = None, inflight: int = 1,
+                     clock: Callable[[], float] = time.monotonic,
+                     encode: Callable[[Sequence[int], int], Awaitable[IdPrefixes]] | None = None) -> SliceRun:
+    """Send slices until the last whole block before the prompt's end is covered (the
+    final request computes the rest, at least one token). ``settle()`` is awaited before
+    each slice (other requests' prefills end first; it returns the seconds waited),
+    ``window()`` opens a slice's gap window, ``window_end(w)`` closes it once the streams
+    have shown the slice's gap and answers the largest one. Stops early at ``deadline`` or
+    a failed slice.
+
+    ``inflight`` > 1: up to that many slices at once, each sent at least a round trip /
+    ``inflight`` after the previous (the last answered slice's round trip; the first slice
+    goes alone), so that it reaches the engine once the previous one is scheduled.
+
+    ``encode(ids, block)``: the prompt's ``IdPrefixes`` (a long prompt's ids take a while to
+    encode: the proxy has a worker process do it, ``bodies.BodyReader.id_prefixes``)."""
+    run = SliceRun()
+    last = (len(ids) - 1) // block * block
+    if last <= 0:
+        return run
+    prefixes = IdPrefixes(ids[:last], block) if encode is None else await encode(ids[:last], block)
+    head = b'{"max_tokens":1,"temperature":0,"stream":false'
+    if model is not None:
+        head += b',"model":' + json.dumps(model).encode()
+    if cache_salt is not None:
+        head += b',"cache_salt":' + json.dumps(cache_salt).encode()
+    pending: deque[tuple[asyncio.Future[bool], Any, int, float]] = deque()  # (answer, window, end, sent at)
+    sent = 0  # the prefix the slices sent so far cover
+    spacing = None  # seconds between two slices in flight (None: no slice answered yet)
+    last_sent = -float("inf")
+    start = clock()
+    try:
+        while True:
+            if not run.stopped and sent < last and len(pending) < inflight and (spacing is not None or not pending):
+                if clock() >= deadline:
+                    run.stopped = "deadline"
+                    continue
+                if settle is not None:
+                    run.settling_s += await settle()
+                if pending:
+                    await asyncio.sleep(max(0.0, last_sent + spacing - clock()))
+                end = min(last, sent + sizer.size(block, sent))
+                w = window()
+                last_sent = clock()
+                pending.append((asyncio.ensure_future(send(head + b',"prompt":' + prefixes.json(end) + b"}")),
+                                w, end, last_sent))
+                sent = end
+                continue
+            if not pending:
+                break
+            answer, w, end, sent_at = pending.popleft()
+            ok = await answer
+            round_trip = clock() - sent_at
+            gap = await window_end(w)
+            if not ok:
+                run.stopped = "upstream_error"
+                break  # the slices still in flight are cancelled: they follow a prefix not cached
+            spacing = round_trip / inflight
+            sizer.after(gap, end - run.tokens, run.tokens)
+            run.gaps.append(gap)
+            run.sizes.append(end - run.tokens)
+            run.slices += 1
+            run.tokens = end
+    finally:
+        for answer, _, _, _ in pending:
+            answer.cancel()
+        for answer, _, _, _ in pending:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await answer
+    run.seconds = clock() - start
+    return run
