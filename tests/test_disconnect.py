@@ -99,6 +99,43 @@ async def test_disconnect_while_prefilling(stack):
                   {"class": "large", "outcome": "client_disconnect"}) == 1
 
 
+LONG = "x" * 100_000  # an agent's tool result: over offload_body_bytes (64 KiB), read in a worker process
+
+
+async def test_long_prompts_whose_clients_leave_while_queued_never_reach_the_engine(stack):
+    """Five long prompts queue behind a live stream; their clients leave. They leave the
+    queue at once (not when the stream ends), none reaches the engine, and the next long
+    prompt is admitted the moment the stream ends, not after the abandoned ones."""
+    client, state, engine, _ = stack
+    cm, b_stream = await start_b(client)
+    gone = [asyncio.create_task(client.post(CHAT, json=body(LONG, 5))) for _ in range(5)]
+    await until(lambda: state.policy.queue_depth == 5)
+    for task in gone:
+        task.cancel()
+    await until(lambda: state.policy.queue_depth == 0, timeout=1.0)
+    assert len(engine.running) + len(engine.waiting) == 1  # B alone: no abandoned prompt reached it
+    assert sample(state.metrics.registry, "prefill_gate_admissions_total",
+                  {"class": "large", "decision": "cancelled"}) == 5
+    nxt = asyncio.create_task(client.post(CHAT, json=body(LONG, 1, stream=False)))
+    await until(lambda: state.policy.queue_depth == 1)
+    await cm.__aexit__(None, None, None)  # B ends: the next long prompt goes at once
+    r = await asyncio.wait_for(nxt, 30)
+    assert r.status_code == 200
+    assert engine.prompt_tokens_total < 2 * 100_000  # its own prefill, no abandoned one's
+
+
+async def test_a_long_prompt_whose_client_leaves_while_it_prefills_is_aborted_at_once(stack):
+    client, state, engine, _ = stack
+    a = asyncio.create_task(client.post(CHAT, json=body(LONG, 5)))
+    await until(lambda: engine.running and engine.running[0].num_computed > 0)  # ~10 s of prefill here
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    a.cancel()
+    await until(lambda: not engine.running and not engine.waiting, timeout=1.0)
+    assert loop.time() - t0 < 0.3  # the engine stopped computing it (its connection closed), not 10 s later
+    await until(lambda: counts(state) == (0, 0, 0, 0, 0))
+
+
 def watcher_tasks() -> int:
     return sum(t.get_coro().__qualname__ == "DisconnectWatch._watch" for t in asyncio.all_tasks())
 

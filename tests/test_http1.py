@@ -449,6 +449,80 @@ async def test_receive_reports_the_clients_loss_and_the_loss_callbacks_run():
     assert got["then"] == {"type": "http.disconnect"} and got["callback"]
 
 
+async def _leaves(app_reads_body: bool, wire: bytes, tail: bytes = b"") -> dict:
+    """A request the app answers never (it waits, its loss callback armed); the client
+    sends ``wire``, then ``tail``, then leaves. Returns when the callback ran (or not)."""
+    from prefill_gate.proxy.disconnect import ON_LOST
+
+    got = {}
+    ready = asyncio.Event()
+
+    async def waits(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        lost = asyncio.Event()
+        getattr(send.__self__, ON_LOST).append(lost.set)
+        if app_reads_body:
+            await asyncio.sleep(0.1)  # the whole body has arrived: its last read is over HIGH_WATER
+            size = 0
+            while True:
+                m = await receive()
+                size += len(m["body"])
+                if not m["more_body"]:
+                    break
+            got["body"] = size
+        ready.set()
+        await asyncio.wait_for(lost.wait(), 3)  # gated work the app does not cut short by itself
+        got["lost"] = True
+
+    async with serve(waits, SETTINGS) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(wire)
+        await asyncio.wait_for(ready.wait(), 5)
+        if tail:
+            writer.write(tail)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        writer.close()
+        for _ in range(150):
+            if "lost" in got:
+                break
+            await asyncio.sleep(0.01)
+        got["seen_after_s"] = asyncio.get_running_loop().time() - t0
+    return got
+
+
+async def test_a_client_that_leaves_after_a_large_body_is_seen_at_once():
+    """An agent's long tool result (a body over HIGH_WATER, its last read too) queued at the
+    gate: the client leaving must reach the app at once. The read that paused at HIGH_WATER
+    was never resumed once the app had the whole body, so the leaving went unseen until the
+    answer was written, and the queued prompt later reached the upstream."""
+    body = b"x" * (HIGH := http1.HIGH_WATER * 3)
+    got = await _leaves(True, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (HIGH, body))
+    assert got["body"] == HIGH and got.get("lost") and got["seen_after_s"] < 0.5, got
+
+
+async def test_a_client_that_leaves_behind_a_pipelined_request_or_a_stray_byte_is_seen():
+    head = b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n"
+    for tail in (b"GET /b HTTP/1.1\r\nhost: x\r\n\r\n", b"G"):
+        got = await _leaves(False, head, tail)
+        assert got.get("lost") and got["seen_after_s"] < 0.5, (tail, got)
+
+
+async def test_pipelined_requests_past_the_bound_are_not_held():
+    """One read of many pipelined requests: those within MAX_PIPELINED behind the first are
+    answered in turn, the rest are never parsed into request state, and the connection
+    closes after the last answer."""
+    n = http1.MAX_PIPELINED + 40
+    wire = b"".join(b"GET /len?i=%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(n))
+    async with serve(echo, SETTINGS) as url:
+        got = await exchange(url, [wire])
+    answers = got.count(b"HTTP/1.1 200 OK")
+    assert answers == 1 + http1.MAX_PIPELINED
+    assert got.rstrip().endswith(b"}") and b"connection: close" in got.split(b"HTTP/1.1 200 OK")[-1]
+
+
 async def test_idle_connections_close_and_the_limit_answers_503():
     state = make_state(client_idle_timeout=0.2, max_client_connections=16)
     async with serve(echo, state.settings) as url:

@@ -23,7 +23,13 @@ on the same requests). What it adds, for a public listener:
   Every refusal closes by lingering: what the client still sends is read and dropped for a
   moment, so that the answer is not lost to a reset.
 - The connection's loss runs the callbacks its requests' ``send`` list (``ON_LOST``,
-  prefill_gate.proxy.disconnect) instead of a task per request waiting on ``receive``.
+  prefill_gate.proxy.disconnect) instead of a task per request waiting on ``receive``; and
+  it is seen while the app works on a request whose body is whole (a long prompt held at
+  the gate): reading goes on behind it, bounded, where uvicorn's stays paused after a large
+  body or a pipelined head, and a client that left is found only when its answer is written.
+- At most ``MAX_PIPELINED`` requests queue behind the one being answered (one read can
+  hold thousands of heads); past the bound nothing more is read, and the connection closes
+  after those queued are answered.
 
 And it does less per request, which is what relaying many short streams pays for (issue
 27; bench/request_costs.py): no logger lookups or socket objects per connection, one timer
@@ -55,6 +61,7 @@ access = logging.getLogger("uvicorn.access")
 
 MAX_TARGET_BYTES = 16384  # the request target (path and query)
 MAX_HEADERS = 512  # header fields in one request head
+MAX_PIPELINED = 16  # requests queued behind the one being answered (more: the connection closes after it)
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 
 
@@ -84,6 +91,11 @@ class _Refused(Exception):
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
+
+
+class _TooManyPipelined(Exception):
+    """Raised from the parser's head callback: more requests queued than ``MAX_PIPELINED``.
+    Those queued are answered; nothing more is read, and the connection closes after them."""
 
 
 class Cycle:
@@ -327,6 +339,10 @@ class Connection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             cause = exc.__cause__ or exc.__context__  # what a callback raised
+            if isinstance(cause, _TooManyPipelined):
+                self._stop_reading()
+                self.queued[-1][0].keep_alive = False
+                return
             refusal = cause if isinstance(cause, _Refused) else None
             if refusal is None:
                 log.warning("Invalid HTTP request received.")
@@ -424,8 +440,9 @@ class Connection(asyncio.Protocol):
         else:  # pipelined: answered after the one under way
             if self.queued is None:
                 self.queued = collections.deque()
+            elif len(self.queued) >= MAX_PIPELINED:  # one read can hold thousands of heads: bound their state
+                raise _TooManyPipelined
             self.queued.append((cycle, app))
-            self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
         self.surfaced = True
@@ -444,6 +461,11 @@ class Connection(asyncio.Protocol):
         if cycle is not None and not cycle.response_complete:
             cycle.more_body = False
             cycle.wake()
+        # The body is whole: read on, bounded as what follows arrives (a pipelined head by its
+        # size, its body by HIGH_WATER, their number by MAX_PIPELINED), so that a client that
+        # leaves now is seen at once, not when its answer is written (a body's last read over
+        # HIGH_WATER paused reading, and nothing else would have resumed it).
+        self._resume_reading()
 
     # -------------------------------------------------------------- requests and answers
     def _start(self, cycle: Cycle, app: Any) -> None:

@@ -1,0 +1,254 @@
+"""``prefill-gate bench defaults``: what a user gets with no flags, judged side by side.
+
+Given a stock vLLM (``--stock``) and one running the engine patches' step pacing (``--paced``),
+it serves every row the same schedules and checks each against what the defaults promise:
+
+    direct  the stock engine, no proxy
+    hold    prefill-gate --slicing off in front of it (the proxy's default before slicing auto)
+    proxy   prefill-gate with no flags in front of it (slicing auto: what ``prefill-gate serve`` does)
+    stack   prefill-gate with no flags in front of the paced engine (what ``docker compose up`` runs)
+
+Each row runs three parts: ``pair`` (the seed pair: a stream B, a long prompt A arriving
+when B has 64 tokens; ``--pair-runs`` runs), ``sparse`` (a few users who pause often, so long
+prompts often arrive with nothing live) and ``steady`` (``bench mixed``: many users who never
+pause together, a long prompt at Poisson times). The proxies are started here, with the
+flags above and nothing else. Every part is written to ``--work`` as it ends and skipped when
+it is already there: a run split over several calls (servers that outlive them) resumes.
+The merged JSON holds every part, the checks (``CHECKS``) and the machine, versions, command
+and commit; the table and the plot say the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .mixed import SLO, MixedShape, measure_endpoint
+from .overlap import Shape, run_overlap
+from .report import environment, table, write_json
+from .services import Service
+
+ROWS = ("direct", "hold", "proxy", "stack")
+PARTS = ("pair", "sparse", "steady")
+# The proxy each row runs (None: the engine itself) and the engine it is in front of.
+PROXY_FLAGS = {"direct": None, "hold": ["--slicing", "off"], "proxy": [], "stack": []}
+ENGINE = {"direct": "stock", "hold": "stock", "proxy": "stock", "stack": "paced"}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One promise: ``row``'s ``part`` figure ``metric`` at most ``bound`` (ms bounds in
+    engine time; ``x`` bounds as a multiple of the same prompt alone)."""
+
+    row: str
+    part: str
+    metric: str
+    bound: float
+    what: str
+
+
+# What the defaults promise (the issue that made them the defaults, measured on the H200).
+CHECKS = (
+    Check("proxy", "steady", "long_x_p50", 2.0, "long prompts p50 within 2x alone"),
+    Check("proxy", "steady", "long_x_p90", 3.0, "long prompts p90 within 3x alone"),
+    Check("proxy", "steady", "ttft_ms_p99", 100.0, "new requests' TTFT p99 within 100 ms"),
+    Check("proxy", "steady", "itl_ms_p999", 50.0, "stream gaps p99.9 within max_gap_ms (50)"),
+    Check("proxy", "steady", "itl_ms_max", 75.0, "stream gaps max within 75 ms"),
+    Check("proxy", "pair", "b_max_ms", 60.0, "B's worst gap within 60 ms"),
+    Check("proxy", "pair", "a_x", 2.2, "A within 2.2x alone"),
+    Check("stack", "steady", "itl_ms_max", 25.0, "stream gaps max within 25 ms"),
+    Check("stack", "steady", "ttft_ms_p99", 100.0, "new requests' TTFT p99 within 100 ms"),
+    Check("stack", "steady", "long_x_p50", 1.6, "long prompts p50 within 1.6x alone"),
+    Check("stack", "pair", "b_max_ms", 20.0, "B's worst gap within 20 ms"),
+    Check("stack", "pair", "a_x", 1.6, "A within 1.6x alone"),
+) + tuple(Check(row, "sparse", "long_vs_direct", 2.0, "sparse users: long prompts within 2x direct's")
+          for row in ("hold", "proxy", "stack"))
+
+
+@dataclass(frozen=True)
+class Plan:
+    steady: MixedShape = MixedShape()
+    sparse: MixedShape = MixedShape(users=3, think=2.0, duration=60.0, baseline_duration=15.0)
+    pair: Shape = Shape()
+    pair_runs: int = 3
+    seed: int = 0
+    time_scale: float = 1.0
+
+
+def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) -> dict[str, float]:
+    """The figures the checks read, from one row's parts (``direct``: the direct row's)."""
+    out: dict[str, float] = {}
+    steady = parts.get("steady")
+    if steady is not None:
+        m = steady["mixed"]
+        out.update({k: m.get(k, math.nan) for k in ("itl_ms_p99", "itl_ms_p999", "itl_ms_max", "ttft_ms_p99",
+                                                    "long_x_p50", "long_x_p90", "long_ttft_s_p50")})
+    pair = parts.get("pair")
+    if pair is not None:  # the worst of the runs, each against its own A alone
+        out["b_max_ms"] = max(r["overlap_itl_ms_max"] for r in pair["per_run"])
+        out["a_x"] = max(r["a_ttft_s"] / r["a_solo_ttft_s"] for r in pair["per_run"])
+    sparse = parts.get("sparse")
+    if sparse is not None:
+        out["sparse_long_ttft_s_p50"] = sparse["mixed"].get("long_ttft_s_p50", math.nan)
+        base = (direct or {}).get("sparse")
+        if base is not None:
+            out["long_vs_direct"] = out["sparse_long_ttft_s_p50"] / base["mixed"]["long_ttft_s_p50"]
+    return out
+
+
+def judge(results: dict[str, dict[str, dict]]) -> list[dict]:
+    """Every check whose row and part were measured: its value and whether it held."""
+    direct = results.get("direct")
+    verdicts = []
+    for c in CHECKS:
+        if c.part not in results.get(c.row, {}):
+            continue
+        value = figures(c.row, results[c.row], direct).get(c.metric, math.nan)
+        verdicts.append({**asdict(c), "value": value, "ok": bool(value <= c.bound)})  # NaN: not kept
+    return verdicts
+
+
+# ------------------------------------------------------------------ the run
+class Runner:
+    def __init__(self, stock: str, paced: str | None, work: Path, plan: Plan, model: str | None,
+                 proxy_args: list[str], progress: bool = True):
+        self.urls = {"stock": stock, "paced": paced}
+        self.work, self.plan, self.model = work, plan, model
+        self.proxy_args, self.progress = proxy_args, progress
+
+    def path(self, row: str, part: str) -> Path:
+        return self.work / f"{row}-{part}.json"
+
+    def say(self, what: str) -> None:
+        if self.progress:
+            print(f"[defaults] {what}", file=sys.stderr, flush=True)
+
+    def run(self, rows: list[str], parts: list[str]) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        for row in rows:
+            todo = [p for p in parts if not self.path(row, p).exists()]
+            if not todo:
+                self.say(f"{row}: done already")
+                continue
+            engine = self.urls[ENGINE[row]]
+            if engine is None:
+                raise SystemExit(f"row {row} needs --{ENGINE[row]}")
+            flags = PROXY_FLAGS[row]
+            if flags is None:
+                self._parts(row, engine, todo)
+                continue
+            wait = f"{30 * self.plan.time_scale:g}"  # the default wait bound, in the engine's time
+            args = ["serve", "--upstream", engine, "--max-queue-wait", wait, "--log-level", "info", *self.proxy_args,
+                    *flags]
+            with Service(*args, name=f"proxy-{row}", timeout=60) as proxy:
+                try:
+                    self._parts(row, proxy.url, todo)
+                finally:
+                    (self.work / f"proxy-{row}.log").write_text(proxy.output()[-2_000_000:])
+
+    def _parts(self, row: str, url: str, parts: list[str]) -> None:
+        p = self.plan
+        for part in parts:
+            self.say(f"{row}: {part} -> {url}")
+            if part == "pair":
+                result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
+                result.pop("raw", None)
+            else:
+                shape = p.steady if part == "steady" else p.sparse
+                result = asyncio.run(measure_endpoint(url, row, shape, SLO(), p.seed, self.model, p.time_scale,
+                                                      progress=self.progress))
+                result["shape"] = asdict(shape)
+            write_json(self.path(row, part), {"row": row, "part": part, "result": result, **environment()})
+
+
+def collect(work: Path) -> dict[str, dict[str, dict]]:
+    """Every part in ``work``: {row: {part: result}}."""
+    out: dict[str, dict[str, dict]] = {}
+    for f in sorted(work.glob("*-*.json")):
+        rec = json.loads(f.read_text())
+        if rec.get("row") in ROWS and rec.get("part") in PARTS:
+            out.setdefault(rec["row"], {})[rec["part"]] = {**rec["result"], "git_commit": rec.get("git_commit"),
+                                                           "git_dirty": rec.get("git_dirty")}
+    return out
+
+
+COLUMNS = [("row", "row"), ("gaps p99 ms", "itl_ms_p99"), ("p99.9", "itl_ms_p999"), ("max", "itl_ms_max"),
+           ("TTFT p99 ms", "ttft_ms_p99"), ("long p50 x", "long_x_p50"), ("long p90 x", "long_x_p90"),
+           ("pair B max ms", "b_max_ms"), ("pair A x", "a_x"), ("sparse long p50 s", "sparse_long_ttft_s_p50")]
+
+
+def report(results: dict[str, dict[str, dict]]) -> tuple[str, list[dict]]:
+    direct = results.get("direct")
+    rows = [{"row": row, **figures(row, results[row], direct)} for row in ROWS if row in results]
+    verdicts = judge(results)
+    lines = [table(rows, COLUMNS), ""]
+    for v in verdicts:
+        lines.append(f"{'ok  ' if v['ok'] else 'MISS'} {v['row']:<6} {v['part']:<6} {v['what']}: "
+                     f"{v['value']:.3g} (bound {v['bound']:g})")
+    return "\n".join(lines), verdicts
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--stock", required=True, help="a vLLM (or simulator) with its own scheduling")
+    p.add_argument("--paced", help="the same engine with the engine patches' step pacing (the stack row)")
+    p.add_argument("--work", required=True, help="folder for each part's JSON (a rerun skips what is there)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--duration", type=float, default=120.0, help="steady: seconds of steady load")
+    p.add_argument("--baseline-duration", type=float, default=30.0, help="steady: seconds of the users alone")
+    p.add_argument("--users", type=int, default=12, help="steady: interactive users")
+    p.add_argument("--long-every", type=float, default=4.0, help="steady: mean seconds between long prompts")
+    p.add_argument("--long-prompt", type=int, default=20_000, help="steady and sparse: a long prompt's tokens")
+    p.add_argument("--sparse-users", type=int, default=3)
+    p.add_argument("--sparse-think", type=float, default=2.0, help="sparse: mean think time, seconds")
+    p.add_argument("--sparse-duration", type=float, default=60.0)
+    p.add_argument("--pair-runs", type=int, default=3)
+    p.add_argument("--pair-long", type=int, default=28_600, help="the seed pair's A: prompt tokens")
+    p.add_argument("--seed", type=int, default=0, help="the schedules' seed (every row gets the same)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="a simulator slowed this many times")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every proxy started (e.g. --proxy-arg=--relay-core=python)")
+    p.add_argument("--json", help="write the merged result and the checks here")
+    p.add_argument("--plot", help="steady load's CDFs per row (PNG)")
+    p.add_argument("--report-only", action="store_true", help="run nothing: merge what --work holds")
+
+
+def plan_from(args) -> Plan:
+    steady = MixedShape(users=args.users, long_every=args.long_every, long_prompt=args.long_prompt,
+                        duration=args.duration, baseline_duration=args.baseline_duration)
+    sparse = replace(steady, users=args.sparse_users, think=args.sparse_think, duration=args.sparse_duration,
+                     baseline_duration=min(args.baseline_duration, args.sparse_duration / 4))
+    return Plan(steady=steady, sparse=sparse, pair=Shape(long_tokens=args.pair_long), pair_runs=args.pair_runs,
+                seed=args.seed, time_scale=args.time_scale)
+
+
+def main(args) -> int:
+    work = Path(args.work)
+    rows = [r for r in args.rows.split(",") if r]
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(rows) - set(ROWS)) + sorted(set(parts) - set(PARTS))
+    if unknown:
+        print(f"prefill-gate bench defaults: unknown row or part: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        plan = plan_from(args)
+        plan.steady.validate()
+        plan.sparse.validate()
+        Runner(args.stock, args.paced, work, plan, args.model, args.proxy_arg).run(rows, parts)
+    results = collect(work)
+    text, verdicts = report(results)
+    print(text)
+    if args.json:
+        write_json(args.json, {"bench": "defaults", "checks": verdicts, "rows": results, **environment()})
+    if args.plot and any("steady" in r for r in results.values()):
+        from .mixed_report import plot_mixed
+
+        endpoints = [{"label": row, "runs": [results[row]["steady"]]} for row in ROWS
+                     if "steady" in results.get(row, {})]
+        plot_mixed({"endpoints": endpoints}, args.plot)
+    return 0
