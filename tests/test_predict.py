@@ -187,3 +187,39 @@ def test_one_reads_gaps_count_as_single_gaps():
             single.gap("u", 0.0)
     assert batched.gaps_seen("u") == single.gaps_seen("u") == 8
     assert batched._ups["u"].gap_s == pytest.approx(single._ups["u"].gap_s, rel=1e-12)
+
+
+def test_answers_that_all_ended_sooner_say_nothing_about_a_longer_one():
+    """The seed pair's first run through `slicing auto` held A on a prediction of 1.7 s and
+    A took 3.5 s: the answers this model had finished (warm-ups, A's own 58 tokens) all
+    ended before B's 64th token, and the rule took that to mean B was about to end ("a
+    few" tokens left) though B asked for 512. With no remembered answer longer than the
+    stream so far, its own max_tokens is what is known."""
+    clock = Clock()
+    p = predictor(clock, wait_bound_s=30.0)
+    for key in range(30):  # 30 short answers of this model, none longer than 64 tokens
+        stream(p, 100 + key, 58, 0)
+        clock.t += 0.3
+        p.stream_ended("u", 100 + key, 58, finished=True)
+    for _ in range(64):
+        p.gap("u", 0.0047)
+    stream(p, 1, max_tokens=512, done=64)
+    c = p.choose("u", 28_600)
+    assert c.hold_s >= 448 * 0.0047  # B's own 448 tokens to go, at its gap (the EWMA is still above it)
+    assert c.slice  # slicing (~2.4 s) finishes A before B ends and A then prefills (~3 s)
+    # Where enough remembered answers did go on longer, they still say how long (no max_tokens).
+    for key in range(10):
+        stream(p, 200 + key, None, 0)
+        p.stream_ended("u", 200 + key, 100, finished=True)
+    s = stream(p, 2, max_tokens=None, done=64)
+    assert p.remaining_tokens(p._ups["u"].streams[2]) == 36
+    s["n"] = 100  # past every remembered length again: back to what is known (nothing here)
+    assert p.remaining_tokens(p._ups["u"].streams[2]) == 256
+
+
+def test_hold_predictions_are_logged_in_finite_words():
+    from prefill_gate.proxy.state import _hold_words
+
+    assert _hold_words(0.5, 1.66, 30.0) == "hold then prefill ~1.66 s"
+    for hold, finish in ((30616.6, 30617.7), (float("inf"), float("inf")), (float("nan"), float("nan"))):
+        assert _hold_words(hold, finish, 30.0) == "holding would wait past the wait bound (30 s)"

@@ -9,6 +9,8 @@ from prefill_gate.proxy.settings import SettingsError, load_settings
 def test_defaults():
     s = load_settings({}, environ={})
     assert s.upstreams == [] and s.large_prefill_tokens == 2048 and s.on_queue_timeout == "admit"
+    # In front of stock vLLM: slice where it can be sliced; a paced engine: let long prompts go.
+    assert s.slicing == "auto" and s.paced_admission == "admit"
 
 
 def test_precedence_flags_over_env_over_file(tmp_path):

@@ -625,3 +625,31 @@ async def test_a_slow_tokenize_costs_an_arriving_prompt_a_bounded_wait(fake, mon
         t = asyncio.get_running_loop().time()
         r = await c.post(CHAT, json=chat("x" * 40_000, stream=False))
         assert r.status_code == 200 and asyncio.get_running_loop().time() - t < 2.0
+
+
+async def test_a_hold_that_outlives_its_prediction_is_decided_again():
+    """Auto holds a prompt while the chooser predicts the live streams end first; if they
+    have not ended when the prediction runs out, the gate asks again (here: slice), rather
+    than leaving the prompt held until its wait bound."""
+    import time
+
+    from prefill_gate.proxy.gate import Gate
+
+    answers = iter([False, True])
+    asked = []
+
+    def chooser(ticket, up):
+        asked.append(time.monotonic())
+        slice_it = next(answers, True)
+        if not slice_it:
+            ticket.recheck_at = time.monotonic() + 0.1  # the chooser's predicted end of the hold
+        return slice_it
+
+    p = AdmissionPolicy(("u1",), Limits(slicing=Slicing.AUTO, max_queue_wait=30.0), chooser=chooser)
+    p.upstreams["u1"].can_slice = True
+    live_stream(p)  # a stream that does not end
+    a = long_ticket()
+    start = time.monotonic()
+    async with Gate(p).admission(a) as lease:
+        assert lease.slicing
+    assert 0.09 < time.monotonic() - start < 1.0 and len(asked) == 2

@@ -31,6 +31,11 @@ def p50_p99(metric: str, by: str) -> list[dict]:
 
 # (title, unit, [queries]) per panel, two per row.
 PREFILL_GATE = [
+    ("What the gate does with a large prefill next to live streams, per upstream", "short",
+     [q("prefill_gate_upstream_mode == 1", "{{upstream}}: {{mode}}")]),
+    ("Slicing: slices per second, and each slice's largest protected gap (p95)", "short",
+     [q("sum by (upstream) (rate(prefill_gate_slices_total[1m]))", "slices/s {{upstream}}"),
+      q(p99("prefill_gate_slice_gap_seconds", quantile=0.95) + " * 1000", "gap p95 ms")]),
     ("Live protected decodes per upstream", "short",
      [q("prefill_gate_live_decodes", "{{upstream}}")]),
     ("Large prefills queued / in flight", "short",
@@ -121,8 +126,9 @@ def dashboard(uid: str, title: str, panels: list, description: str) -> dict:
 DASHBOARDS = {
     "prefill-gate.json": dashboard(
         "prefill-gate", "prefill-gate", PREFILL_GATE,
-        "The admission proxy: live decodes, held and admitted large prefills, queue wait, "
-        "TTFT and ITL as the proxy measured them, estimate error."),
+        "The admission proxy: what it does per upstream (paced, sliced, held), slices, live "
+        "decodes, held and admitted large prefills, queue wait, TTFT and ITL as the proxy "
+        "measured them, estimate error."),
     "vllm-engine.json": dashboard(
         "prefill-gate-vllm", "vLLM engine", VLLM_ENGINE,
         "vLLM's own metrics, and step pacing's decisions from engine_patches."),

@@ -22,6 +22,7 @@ if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
 
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionType,
@@ -37,10 +38,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.request import Request
 
 __all__ = [
     "SUPPORTED_VLLM",
+    "AggregateStatLoggerBase",
     "AsyncScheduler",
     "AttentionBackendEnum",
     "AttentionCGSupport",
@@ -60,6 +63,7 @@ __all__ = [
     "init_logger",
     "is_decoding",
     "register_backend",
+    "resolve_obj_by_qualname",
 ]
 
 

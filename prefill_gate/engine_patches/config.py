@@ -159,6 +159,19 @@ def read_control_file(path: str, environ: Mapping[str, str]) -> PacingConfig:
     return PacingConfig.from_env(merged)
 
 
+def current_config(environ: Mapping[str, str] | None = None) -> PacingConfig:
+    """The settings a paced scheduler runs with now: the control file's where one is set and
+    readable, else the environment's (a bad control file is ignored, as the scheduler does)."""
+    env = os.environ if environ is None else environ
+    path = env.get(f"{PREFIX}_CONTROL_FILE") or None
+    if path is not None:
+        try:
+            return read_control_file(path, env)
+        except (OSError, PacingConfigError):
+            pass
+    return PacingConfig.from_env(env)
+
+
 def _raw(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(f"{PREFIX}_{name}")
     return None if value is None or not value.strip() else value.strip()

@@ -18,6 +18,12 @@ measured gaps (``observe_itl``) whose p95 is within the SLO adds ``step_tokens``
 (additive increase); one over it halves the budget (multiplicative decrease), so a
 budget that hurt the streams falls back to holding.
 
+A *paced* upstream (its engine bounds every step while requests decode: prefill-gate's
+engine patches, found by the app's health checks) admits large prefills next to live decodes,
+as many as ``max_large_in_flight`` at once (with ``itl_slo`` set, within the closed loop's
+budget as above): the engine keeps the streams' steps short, so waiting would only delay the
+prompt.
+
 Slicing (``slicing`` on or auto, for stock engines): a large prefill that the rule would
 hold may instead be *sliced* on an upstream that can (``can_slice``: prefix caching and
 ``/tokenize``) and has no other slicer: the proxy warms the engine's prefix cache with
@@ -108,6 +114,7 @@ class Ticket:
     sliceable: bool = False  # its prompt can be sliced (the app decides from the request)
     sliced: bool = False  # its prefix was sliced into the cache: only the tail is prefill
     chosen: bool | None = None  # auto slicing: the chooser's last answer (slice?), for the log
+    recheck_at: float = float("inf")  # auto slicing: a hold's predicted end, when the gate asks again
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -125,7 +132,8 @@ class UpstreamState:
     prefilling: int = 0  # requests admitted here and still prefilling (no first chunk yet)
     budget_tokens: int = 0  # closed loop: in-flight prefill tokens allowed next to decodes
     itl_p95: float | None = None  # closed loop: the last decided window's p95 gap
-    can_slice: bool = False  # prefix caching on and /tokenize answers (probed by the app)
+    can_slice: bool = False  # slice here: prefix caching on and /tokenize answers (probed by the app)
+    paced: bool = False  # its engine bounds every step (probed by the app): no waiting for live decodes
     slicer: int | None = None  # the ticket slicing here (one at a time)
     gaps: list[float] = field(default_factory=list, repr=False)
     window_start: float = 0.0
@@ -329,6 +337,10 @@ class AdmissionPolicy:
         ticket.admitted_at = admitted_at
         return self._pump()
 
+    def recheck(self) -> list[Ticket]:
+        """Ask again for the queue's head (a hold outlived its prediction): tickets admitted."""
+        return self._pump()
+
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
         self.upstreams[upstream].healthy = healthy
         return self._pump() if healthy else []
@@ -357,7 +369,8 @@ class AdmissionPolicy:
             if u.healthy and u.large_in_flight < lim.max_large_in_flight
             and (u.slicer is None or not lim.slice_idle)  # slice_idle: none runs whole beside a slicer
             and (u.live_decodes <= lim.max_decodes_for_large
-                or (lim.itl_slo is not None and u.prefill_tokens + tokens <= u.budget_tokens))
+                or (lim.itl_slo is not None and u.prefill_tokens + tokens <= u.budget_tokens)
+                or (u.paced and lim.itl_slo is None))
         ]
         if not ok:
             return None

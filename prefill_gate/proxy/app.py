@@ -141,7 +141,7 @@ def build_state(
     gate = Gate(policy, metrics)
     state = AppState(settings, metrics, policy, gate, client, estimator,
                      PrefixMemory(settings.upstreams, settings.prefix_memory_entries),
-                     Routing(settings.upstreams, metrics, gate, policy),
+                     Routing(settings, metrics, gate, policy),
                      keys=KeyCheck.from_file(settings.api_keys_file) if settings.api_keys_file else None,
                      predictor=predictor, bodies=body_reader(settings))
     state.direct_relay, state.relay_core = direct_relay, relay_core
@@ -232,7 +232,7 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(state.routing.check_forever(
-            state.client, state.settings.health_interval, state.settings.slicing != "off")) if health_checks else None
+            state.client, state.settings.health_interval)) if health_checks else None
         try:
             yield
         finally:
@@ -286,9 +286,11 @@ def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
                     "live_decodes": ups[u].live_decodes,
                     "large_prefills_in_flight": ups[u].large_in_flight,
                     "active": ups[u].active,
+                    "mode": state.routing.modes[u].value if u in state.routing.modes else None,
                     **({"slicing": {"possible": state.caps[u].can_slice, "why_not": state.caps[u].why_not() or None,
                                     "block_size": state.caps[u].block_size, "slicing_now": ups[u].slicer is not None}}
                        if state.settings.slicing != "off" and u in state.caps else {}),
+                    **({"engine": state.caps[u].engine.labels()} if u in state.caps and state.caps[u].engine else {}),
                 }
                 for u in state.settings.upstreams
             },

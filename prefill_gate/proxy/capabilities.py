@@ -1,17 +1,21 @@
-"""What an upstream can do for slicing: its KV block size, whether it caches prefixes, and
-whether it answers ``/tokenize``. Probed at start and with every health check.
+"""What an upstream can do, and so what the gate does there: its KV block size, whether it
+caches prefixes and answers ``/tokenize`` (slicing), and whether its engine paces its own
+steps (prefill-gate's engine patches). Probed at start and with every health check.
 
 vLLM publishes its cache configuration on ``/metrics`` as an info gauge,
-``vllm:cache_config_info{block_size="16",enable_prefix_caching="True",...} 1.0``.
+``vllm:cache_config_info{block_size="16",enable_prefix_caching="True",...} 1.0``, and the
+engine patches theirs as ``prefill_gate_engine_info{pacing="adaptive",...} 1`` (see
+``prefill_gate.engine_info``).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_INFO = re.compile(rb"^vllm:cache_config_info\{([^}]*)\}", re.M)
-_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from ..engine_info import EngineInfo, info_labels
+from ..engine_info import parse as parse_engine_info
+from .labels import UpstreamMode
+
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # vLLM's own /metrics is ~100 KB
 
 
@@ -20,10 +24,16 @@ class Capabilities:
     block_size: int | None = None
     prefix_caching: bool = False
     tokenize: bool = False
+    engine: EngineInfo | None = None  # prefill-gate's engine patches, where the upstream runs them
 
     @property
     def can_slice(self) -> bool:
         return bool(self.block_size) and self.prefix_caching and self.tokenize
+
+    @property
+    def paces(self) -> bool:
+        """Its engine bounds each step's prefill while requests decode."""
+        return self.engine is not None and self.engine.bounds_steps
 
     def why_not(self) -> str:
         """Why slicing is off on this upstream ('' when it is not)."""
@@ -36,12 +46,29 @@ class Capabilities:
         return ""
 
 
+def choose_mode(caps: Capabilities, slicing: str, paced_admission: str) -> tuple[UpstreamMode, str]:
+    """What the gate does on an upstream with these capabilities, and why (for the log):
+    ``slicing`` and ``paced_admission`` are the settings of those names."""
+    if caps.paces:
+        if paced_admission == "admit":
+            return UpstreamMode.PACED, (f"its engine paces its own steps ({caps.engine.describe()}): large "
+                                        "prefills go to it at once, as many as max_large_in_flight")
+        why = "its engine paces its own steps, but paced_admission is gate"
+    else:
+        why = ""
+    if slicing == "off":
+        return UpstreamMode.HELD, (why + "; " if why else "") + "slicing is off"
+    if caps.can_slice:
+        return UpstreamMode.SLICED, ((why + "; " if why else "") + f"it caches prefixes and answers /tokenize "
+                                     f"(KV blocks of {caps.block_size} tokens): slicing {slicing}")
+    return UpstreamMode.HELD, (why + "; " if why else "") + f"it cannot be sliced: {caps.why_not()}"
+
+
 def parse_cache_config(metrics: bytes) -> tuple[int | None, bool]:
     """(block size, prefix caching on) from a Prometheus text page; (None, False) if absent."""
-    match = _INFO.search(metrics)
-    if match is None:
+    labels = info_labels(metrics, "vllm:cache_config_info")
+    if labels is None:
         return None, False
-    labels = {k.decode(): v.decode() for k, v in _LABEL.findall(match.group(1))}
     try:
         block = int(labels.get("block_size", ""))
     except ValueError:
@@ -49,3 +76,9 @@ def parse_cache_config(metrics: bytes) -> tuple[int | None, bool]:
     if block is not None and block < 1:
         block = None
     return block, labels.get("enable_prefix_caching", "").lower() == "true"
+
+
+def parse_metrics(page: bytes) -> tuple[int | None, bool, EngineInfo | None]:
+    """What a ``/metrics`` page says: block size, prefix caching, and the engine's info."""
+    block, caching = parse_cache_config(page)
+    return block, caching, parse_engine_info(page)

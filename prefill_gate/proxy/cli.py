@@ -258,6 +258,12 @@ def cmd_bench_mixed_report(args: argparse.Namespace) -> int:
     return main_report(args)
 
 
+def cmd_bench_defaults(args: argparse.Namespace) -> int:
+    from .bench.defaults import main as defaults_main
+
+    return defaults_main(args)
+
+
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     from .bench.agent import main as agent_main
 
@@ -364,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the merged result here")
     p.add_argument("--plot", help="write the CDFs here (PNG)")
     p.set_defaults(func=cmd_bench_mixed_report)
+
+    p = bench.add_parser("defaults", help="what the defaults give: vLLM direct, holding, the proxy's and the "
+                                          "stack's defaults, on the seed pair, sparse users and steady load",
+                         formatter_class=defaults)
+    from .bench.defaults import add_arguments as defaults_arguments
+
+    defaults_arguments(p)
+    p.set_defaults(func=cmd_bench_defaults)
 
     p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine",
                          formatter_class=defaults)

@@ -476,7 +476,7 @@ class GatedExchange(Exchange):
         lease, ticket, req = self.lease, self.req.ticket, self.req
         predictor = self.state.predictor
         now = time.monotonic()
-        if ticket.cls is RequestClass.LARGE and not (ticket.sliced or ticket.expired) \
+        if ticket.cls is RequestClass.LARGE and not (ticket.sliced or ticket.expired or lease.upstream_state.paced) \
                 and self.state.policy.limits.itl_slo is None and ticket.admitted_at is not None:
             predictor.prefill_done(lease.upstream, ticket.tokens, now - ticket.admitted_at)  # held until alone
         lease.decoding()

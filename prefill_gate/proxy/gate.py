@@ -132,16 +132,26 @@ class Gate:
         """Wait while queued: until admitted (or slicing), the wait bound, or cancellation."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = fut
+        policy = self.policy
         try:
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, ticket.deadline - self.policy.clock()))
-            except asyncio.TimeoutError:
-                if ticket.phase is Phase.QUEUED and self.policy.expire(ticket) is Decision.REJECTED:
-                    self._count(ticket, AdmissionLabel.REJECTED_TIMEOUT, waited=True)
-                    raise QueueTimeout(
-                        f"waited {self.policy.limits.max_queue_wait:g} s for live decodes to finish "
-                        "(max_queue_wait; set on_queue_timeout=admit to admit instead)"
-                    ) from None
+            while not fut.done():
+                now = policy.clock()
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, min(ticket.deadline, ticket.recheck_at) - now))
+                except asyncio.TimeoutError:
+                    if ticket.phase is not Phase.QUEUED:
+                        break
+                    if policy.clock() < ticket.deadline:  # a hold outlived its prediction: decide again
+                        ticket.recheck_at = float("inf")
+                        self._wake(policy.recheck())
+                        continue
+                    if policy.expire(ticket) is Decision.REJECTED:
+                        self._count(ticket, AdmissionLabel.REJECTED_TIMEOUT, waited=True)
+                        raise QueueTimeout(
+                            f"waited {policy.limits.max_queue_wait:g} s for live decodes to finish "
+                            "(max_queue_wait; set on_queue_timeout=admit to admit instead)"
+                        ) from None
+                    break
             decision = AdmissionLabel.AFTER_TIMEOUT if ticket.expired else AdmissionLabel.AFTER_WAIT
             self._count(ticket, AdmissionLabel.SLICING if ticket.phase is Phase.SLICING else decision, waited=True)
         except asyncio.CancelledError:

@@ -48,3 +48,12 @@ class ErrorKind(Label):
     @classmethod
     def of_status(cls, status: int) -> "ErrorKind":
         return cls.HTTP_4XX if status < 500 else cls.HTTP_5XX
+
+
+class UpstreamMode(Label):
+    """What the gate does with a large prefill that arrives while protected streams decode on
+    an upstream (``upstream_mode{upstream, mode}``; chosen from what the health checks find)."""
+
+    PACED = "paced"  # its engine bounds every step (engine_patches pacing): the prompt goes at once
+    SLICED = "sliced"  # stock vLLM that can be sliced (prefix caching, /tokenize): slice or hold (slicing)
+    HELD = "held"  # it waits until no protected stream is live, or for its wait bound

@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .labels import AdmissionLabel, ErrorKind, OutcomeKind
+from .labels import AdmissionLabel, ErrorKind, OutcomeKind, UpstreamMode
 
 CLASSES = ("interactive", "large")
 OUTCOMES = tuple(k.value for k in OutcomeKind)
 ADMISSIONS = tuple(d.value for d in AdmissionLabel)
 ERROR_KINDS = tuple(k.value for k in ErrorKind if k is not ErrorKind.OTHER)
+MODES = tuple(m.value for m in UpstreamMode)
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLICE_GAP = (0.01, 0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -85,6 +86,12 @@ class Metrics:
         self.can_slice = Gauge(p + "upstream_can_slice",
                                "1 when the upstream caches prefixes and answers /tokenize (slicing possible).",
                                ["upstream"], registry=r)
+        self.upstream_mode = Gauge(
+            p + "upstream_mode",
+            "1 for what the gate does with a large prefill while protected streams decode on the upstream "
+            "(paced: its engine bounds every step, the prompt goes at once; sliced: slicing; held: "
+            "holding), 0 for the others.",
+            ["upstream", "mode"], registry=r)
         self.slices = Counter(p + "slices_total", "Slices sent to warm an upstream's prefix cache.",
                               ["upstream"], registry=r)
         self.slice_tokens = Counter(p + "slice_tokens_total", "Prompt tokens covered by slicing, per prompt.",
@@ -128,6 +135,8 @@ class Metrics:
                       self.slice_gap):
                 g.labels(u)
             self.retries.labels(u)
+            for m in MODES:
+                self.upstream_mode.labels(u, m)
             for k in ERROR_KINDS:
                 self.upstream_errors.labels(u, k)
         for generation in ("0", "1", "2"):

@@ -47,6 +47,10 @@ EWMA = 0.2
 GAP_EWMA = EWMA * 0.1  # the decode gap's average moves slower: a sample per chunk
 LENGTHS_KEPT = 512  # streamed lengths remembered per model
 MIN_LENGTHS = 20  # before this many, a stream's remaining length comes from max_tokens alone
+# ... and from them only where at least this many of them went on longer than this stream has
+# already streamed: answers that all ended sooner (warm-ups, other clients' short answers)
+# say nothing about how long this one goes on.
+MIN_LONGER = 5
 UNKNOWN_REMAINING = 256  # no max_tokens, no history: assume this many tokens remain
 MAX_LOAD = 50.0  # L x D beyond this: exp() would only say "forever" at more cost
 PROMISE_COOLDOWN_S = 30.0
@@ -207,9 +211,9 @@ class Predictor:
             if ranked is None:
                 ranked = self._sorted[stream.model] = sorted(lengths)
             longer = ranked[bisect.bisect_right(ranked, done):]
-            # the median of what answers longer than this one went on for; none so long: a few
-            guess = longer[len(longer) // 2] - done if longer else max(1, done // 10)
-            return guess if cap is None else min(cap, guess)
+            if len(longer) >= MIN_LONGER:  # the median of what answers longer than this one went on for
+                guess = longer[len(longer) // 2] - done
+                return guess if cap is None else min(cap, guess)
         return cap if cap is not None else max(UNKNOWN_REMAINING, done)
 
     def choose(self, upstream: str, tokens: int) -> Choice:

@@ -68,11 +68,19 @@ class Settings(BaseModel):
         8192, ge=1, description="Closed loop: budget added per 1 s window whose p95 gap met the SLO."
     )
     slicing: Literal["off", "on", "auto"] = Field(
-        "off",
+        "auto",
         description="Sliced prefill for stock engines: warm the upstream's prefix cache with growing "
         "prefixes of a large prompt (small requests, one at a time) instead of holding it while "
-        "protected streams are live. on: slice whenever it would hold; auto: slice when that is "
-        "predicted to finish the prompt sooner than holding and to keep max_gap_ms; off: hold.",
+        "protected streams are live. auto: slice when that is predicted to finish the prompt sooner "
+        "than holding; on: slice whenever it would hold; off: hold. Upstreams that cannot be sliced "
+        "(prefix caching off, no /tokenize) hold.",
+    )
+    paced_admission: Literal["admit", "gate"] = Field(
+        "admit",
+        description="An upstream whose engine paces its own steps (prefill-gate's engine patches, found "
+        "on its /metrics): admit: large prefills go to it without waiting for live streams (the engine "
+        "keeps their steps short; max_large_in_flight still applies); gate: hold or slice them as on "
+        "stock vLLM.",
     )
     slice_gap_ms: float = Field(
         45.0, gt=0,
@@ -81,8 +89,9 @@ class Settings(BaseModel):
     )
     max_gap_ms: float = Field(
         50.0, gt=0,
-        description="Slicing auto: the worst protected gap accepted; an upstream where even the "
-        "smallest slice exceeds it is held for 30 s.",
+        description="Slicing: the promise to protected streams, their gaps' p99.9 while prompts are "
+        "sliced (slices aim below it; the worst gap is reported beside it, not bounded); an upstream "
+        "where even the smallest slice breaks it is held for 30 s.",
     )
     slice_settle_ms: float = Field(
         100.0, ge=0,

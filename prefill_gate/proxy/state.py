@@ -5,6 +5,7 @@ client, the estimator's state, routing, the requests in progress. Built by
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from .admission import AdmissionPolicy, Ticket, UpstreamState
@@ -67,11 +68,28 @@ class AppState:
         return len(live)
 
     def choose_slice(self, ticket: Ticket, up: UpstreamState) -> bool:
-        """Slicing auto: slice this held ticket on ``up`` rather than hold it?"""
+        """Slicing auto: slice this held ticket on ``up`` rather than hold it? A hold is asked
+        again once its predicted end has passed (the gate's wait), so a prediction that was
+        wrong costs the prompt at most its own length again, not the wait bound."""
         choice = self.predictor.choose(up.name, ticket.tokens)
+        if not choice.slice and 0 < choice.hold_s < self.predictor.wait_bound_s:
+            ticket.recheck_at = self.policy.clock() + max(RECHECK_MIN_S, RECHECK_SLACK * choice.hold_s)
         if ticket.chosen is not choice.slice:  # log each change of mind once
             ticket.chosen = choice.slice
-            log.info("large prefill #%d (%d tokens) on %s: %s (%s; hold then prefill ~%.2f s, slice ~%.2f s)",
+            log.info("large prefill #%d (%d tokens) on %s: %s (%s; %s, slice ~%.2f s)",
                      ticket.id, ticket.tokens, up.name, "slice" if choice.slice else "hold", choice.reason,
-                     choice.finish_hold_s, choice.finish_slice_s)
+                     _hold_words(choice.hold_s, choice.finish_hold_s, self.predictor.wait_bound_s),
+                     choice.finish_slice_s)
         return choice.slice
+
+
+# A hold is decided again after its predicted wait times this (and at least this long).
+RECHECK_SLACK = 1.25
+RECHECK_MIN_S = 0.1
+
+
+def _hold_words(hold_s: float, finish_s: float, bound_s: float) -> str:
+    """What holding was predicted to cost, in words that stay finite."""
+    if not math.isfinite(hold_s) or not math.isfinite(finish_s) or hold_s >= bound_s:
+        return f"holding would wait past the wait bound ({bound_s:g} s)"
+    return f"hold then prefill ~{finish_s:.2f} s"

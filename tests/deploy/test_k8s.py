@@ -1,4 +1,4 @@
-"""deploy/k8s: every manifest (the base, and the paced overlay with its patch applied)
+"""deploy/k8s: every manifest (the base, and the stock overlay with its patch applied)
 validated strictly against Kubernetes 1.33's schemas (kubernetes-validate, failing on its
 warnings too), and the sidecar's settings checked against the vLLM container beside it.
 No cluster here: these are the checks that need none."""
@@ -36,34 +36,41 @@ def base() -> list[dict]:
 
 
 def json_patch(doc: dict, ops: list[dict]) -> dict:
-    """RFC 6902 'add' (the only op the overlays use), on a copy."""
+    """RFC 6902 'add', 'replace' and 'test' (the ops the overlays use), on a copy; a failed
+    'test' fails the patch, as kustomize does."""
     doc = copy.deepcopy(doc)
     for op in ops:
-        assert op["op"] == "add", op
+        assert op["op"] in ("add", "replace", "test"), op
         *parents, last = op["path"].lstrip("/").split("/")
         node = doc
         for key in parents:
             node = node[int(key)] if isinstance(node, list) else node[key]
-        if isinstance(node, list):
+        if op["op"] == "test":
+            assert (node[int(last)] if isinstance(node, list) else node[last]) == op["value"], op
+        elif op["op"] == "replace":
+            key = int(last) if isinstance(node, list) else last
+            assert key in range(len(node)) if isinstance(node, list) else key in node, op
+            node[key] = op["value"]
+        elif isinstance(node, list):
             node.insert(len(node) if last == "-" else int(last), op["value"])
         else:
             node[last] = op["value"]
     return doc
 
 
-def paced() -> list[dict]:
-    overlay = yaml.safe_load((K8S / "overlays" / "paced" / "kustomization.yaml").read_text())
+def stock() -> list[dict]:
+    overlay = yaml.safe_load((K8S / "overlays" / "stock" / "kustomization.yaml").read_text())
     assert overlay["resources"] == ["../../base"]
     docs = base()
     for patch in overlay["patches"]:
-        ops = json.loads((K8S / "overlays" / "paced" / patch["path"]).read_text())
+        ops = json.loads((K8S / "overlays" / "stock" / patch["path"]).read_text())
         target = patch["target"]
         docs = [json_patch(d, ops) if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"]) else d
                 for d in docs]
     return docs
 
 
-@pytest.mark.parametrize("variant", [base, paced])
+@pytest.mark.parametrize("variant", [base, stock])
 def test_every_manifest_validates_strictly(variant):
     docs = variant()
     assert {d["kind"] for d in docs} == {"Deployment", "Service"}
@@ -89,7 +96,7 @@ def flag(args: list[str], name: str) -> str | None:
     return next((a.split("=", 1)[1] for a in args if a.startswith(name + "=")), None)
 
 
-@pytest.mark.parametrize("variant", [base, paced])
+@pytest.mark.parametrize("variant", [base, stock])
 def test_the_sidecar_matches_the_vllm_beside_it(variant):
     docs = variant()
     c = containers(docs)
@@ -106,10 +113,13 @@ def test_the_sidecar_matches_the_vllm_beside_it(variant):
     assert spec["metadata"]["annotations"]["prometheus.io/port"] == str(gate["ports"][0]["containerPort"])
     service = next(d for d in docs if d["kind"] == "Service")
     assert service["spec"]["ports"][0]["targetPort"] == gate["ports"][0]["name"]  # clients reach the gate
-    for value in (flag(gate["args"], "--itl-slo-ms"),):
-        if value is not None:  # the closed loop only next to a pacing engine
-            env = {e["name"]: e["value"] for e in vllm.get("env", [])}
-            assert env.get("PREFILL_GATE_PACING") == "adaptive" and flag(vllm["args"], "--scheduler-cls")
+    env = {e["name"]: e["value"] for e in vllm.get("env", [])}
+    if flag(gate["args"], "--itl-slo-ms") is not None:  # the closed loop only next to a pacing engine
+        assert env.get("PREFILL_GATE_PACING") == "adaptive" and flag(vllm["args"], "--scheduler-cls")
+    if env.get("PREFILL_GATE_PACING", "off") != "off":  # pacing needs the paced scheduler
+        assert flag(vllm["args"], "--scheduler-cls") == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
+    # The proxy decides from what it finds upstream: no mode flag in either variant.
+    assert not any(a.startswith(("--slicing", "--paced-admission")) for a in gate["args"]), gate["args"]
     names = {"--" + n.replace("_", "-") for n in Settings.model_fields} | {"--upstream"}
     assert all(a.split("=", 1)[0] in names for a in gate["args"]), gate["args"]  # every flag is a setting
 
@@ -192,3 +202,15 @@ def test_the_podmonitor_scrapes_what_the_pod_serves():
     proxy_ports = {p["name"] for p in containers(docs)["prefill-gate"]["ports"]}
     assert {e["port"] for e in doc["spec"]["podMetricsEndpoints"]} <= proxy_ports
     assert sorted(e["path"] for e in doc["spec"]["podMetricsEndpoints"]) == ["/metrics", "/vllm/metrics"]
+
+
+def test_the_base_paces_and_the_stock_overlay_does_not():
+    """The stack's default is step pacing (adaptive 15 ms, short prompts first, full CUDA
+    graphs); the stock overlay turns the engine patches' pacing off and nothing else."""
+    env = {e["name"]: e["value"] for e in containers(base())["vllm"]["env"]}
+    assert env["PREFILL_GATE_PACING"] == "adaptive" and env["PREFILL_GATE_PACING_TARGET_ITL_MS"] == "15"
+    assert json.loads(flag(containers(base())["vllm"]["args"], "--compilation-config")) == {"cudagraph_mode": "FULL"}
+    a, b = containers(base()), containers(stock())
+    env_b = {e["name"]: e["value"] for e in b["vllm"]["env"]}
+    assert env_b == {**env, "PREFILL_GATE_PACING": "off"}
+    assert a["vllm"]["args"] == b["vllm"]["args"] and a["prefill-gate"] == b["prefill-gate"]

@@ -44,7 +44,8 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
 
 
 async def load(base_url: str) -> None:
-    """B streams; A (large) arrives and is held until B ends; C streams while A prefills."""
+    """B streams; A (large) arrives and is held until B ends (or sliced, by a proxy that
+    slices); C streams while A prefills."""
     b_decoding = asyncio.Event()
     b = asyncio.create_task(stream_events(base_url, 150, "b" * 40, b_decoding))
     await b_decoding.wait()
@@ -84,14 +85,14 @@ def drive_paced_scheduler(tmp_path: Path, port: int) -> None:
             os.environ.pop(key, None)
 
 
-def prometheus_config(path: Path, proxy: str, sim: str, pacing: str) -> Path:
+def prometheus_config(path: Path, proxies: list[str], sim: str, pacing: str) -> Path:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
     config["global"]["evaluation_interval"] = "1s"
     config["rule_files"] = [str(ROOT / "deploy/prometheus/rules.yml")]
-    targets = {"prefill-gate": proxy, "vllm": sim, "vllm-pacing": pacing}
+    targets = {"prefill-gate": proxies, "vllm": [sim], "vllm-pacing": [pacing]}
     for job in config["scrape_configs"]:
-        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     out = path / "prometheus.yml"
     out.write_text(yaml.safe_dump(config))
     return out
@@ -110,11 +111,15 @@ def has_data(result: list) -> bool:
 def test_every_dashboard_panel_has_data(tmp_path):
     prometheus = tool("prometheus")
     pacing_port, prom_port = free_port(), free_port()
+    # Two proxies in front of one simulator: the default (it slices the long prompt) and one that
+    # holds it (--slicing off: the queue-wait panel's data), scraped as one job.
     with Service("sim", "--time-scale", "3", name="sim") as sim, \
             Service("serve", "--upstream", sim.url, "--large-prefill-tokens", "1000",
-                    "--health-interval", "0.5", "--log-level", "warning", name="proxy") as proxy:
-        config = prometheus_config(tmp_path, proxy.url.split("//")[1], sim.url.split("//")[1],
-                                   f"127.0.0.1:{pacing_port}")
+                    "--health-interval", "0.5", "--log-level", "warning", name="proxy") as proxy, \
+            Service("serve", "--upstream", sim.url, "--large-prefill-tokens", "1000", "--slicing", "off",
+                    "--health-interval", "0.5", "--log-level", "warning", name="held") as held:
+        config = prometheus_config(tmp_path, [proxy.url.split("//")[1], held.url.split("//")[1]],
+                                   sim.url.split("//")[1], f"127.0.0.1:{pacing_port}")
         with open(tmp_path / "prometheus.log", "w") as log:
             prom_proc = subprocess.Popen(
                 [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -125,10 +130,11 @@ def test_every_dashboard_panel_has_data(tmp_path):
             prom = f"http://127.0.0.1:{prom_port}"
             # Rates need a point before the load: wait for a first scrape of the zeros.
             deadline = time.monotonic() + 30
-            while len(query(prom, 'up{job=~"prefill-gate|vllm"} == 1')) < 2:
+            while len(query(prom, 'up{job=~"prefill-gate|vllm"} == 1')) < 3:
                 assert time.monotonic() < deadline, "Prometheus never scraped the proxy and the simulator"
                 time.sleep(0.2)
             time.sleep(1.5)
+            asyncio.run(load(held.url))
             asyncio.run(load(proxy.url))
             drive_paced_scheduler(tmp_path, pacing_port)
             missing: list[str] = []
@@ -147,7 +153,9 @@ def test_every_dashboard_panel_has_data(tmp_path):
             assert {"PrefillGateDecodeITLHigh", "PrefillGateUpstreamDown"} <= loaded
             assert all(r.get("health") == "ok" for g in rules for r in g["rules"]), rules
             up = query(prom, 'up{job="prefill-gate"}')
-            assert up and up[0]["value"][1] == "1"
+            assert len(up) == 2 and all(u["value"][1] == "1" for u in up)
+            modes = {s["metric"]["mode"] for s in query(prom, "prefill_gate_upstream_mode == 1")}
+            assert modes == {"sliced", "held"}  # the default slices on a sliceable upstream
         finally:
             prom_proc.terminate()
             prom_proc.wait(timeout=10)

@@ -46,13 +46,35 @@ def test_compose_resolves_settings_from_env_file():
     assert proxy["depends_on"]["vllm"]["condition"] == "service_healthy"
     vllm = config["services"]["vllm"]
     assert "Qwen/Qwen3-8B" in " ".join(vllm["command"])
-    assert "--scheduler-cls" in vllm["command"]
-    assert vllm["environment"]["PREFILL_GATE_PACING"] == "off"
+    command = vllm["command"]
+    assert command[command.index("--scheduler-cls") + 1] == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
+    assert json.loads(command[command.index("--compilation-config") + 1]) == {"cudagraph_mode": "FULL"}
+    assert vllm["environment"]["PREFILL_GATE_PACING"] == "adaptive"  # the stack's default: step pacing
+    assert proxy["environment"]["PREFILL_GATE_SLICING"] == "auto"
     for name, service in config["services"].items():
         image = service["image"]
         assert not image.endswith(":latest") and ":" in image, f"{name}: unpinned image {image}"
         if name in ("proxy", "vllm", "prometheus", "grafana"):
             assert "healthcheck" in service or "build" in service, name
+
+
+def test_every_prefill_gate_setting_in_env_reaches_the_proxy(tmp_path):
+    """.env is the proxy's env_file: a setting compose does not map by name (the closed loop's
+    PREFILL_GATE_ITL_SLO_MS) still reaches the container."""
+    import shutil
+
+    shutil.copy(ROOT / "docker-compose.yml", tmp_path)
+    (tmp_path / ".env").write_text((ROOT / ".env").read_text() + "PREFILL_GATE_ITL_SLO_MS=20\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PREFILL_GATE_"))}
+    result = subprocess.run([compose_binary(), "config", "--format", "json"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, check=False, env={**env, "GRAFANA_ADMIN_PASSWORD": "pw"})
+    assert result.returncode == 0, result.stderr
+    proxy = json.loads(result.stdout)["services"]["proxy"]["environment"]
+    assert proxy["PREFILL_GATE_ITL_SLO_MS"] == "20"
+    from prefill_gate.proxy.settings import load_settings
+
+    settings = load_settings(environ={k: v for k, v in proxy.items() if v is not None})
+    assert settings.itl_slo_ms == 20 and settings.slicing == "auto"
 
 
 def test_compose_requires_a_grafana_password():
@@ -132,4 +154,5 @@ def test_the_sm70_service_routes_rows_with_the_custom_backend():
     assert command[command.index("--attention-backend") + 1] == "CUSTOM"
     assert command[command.index("--dtype") + 1] == "half"
     env = sm70["environment"]
-    assert env["PREFILL_GATE_SPEC_AS_DECODE"] == "auto" and env["PREFILL_GATE_PACING"] == "off"  # merged, not replaced
+    assert env["PREFILL_GATE_SPEC_AS_DECODE"] == "auto" and env["PREFILL_GATE_PACING"] == "adaptive"  # merged, not replaced
+    assert "--compilation-config" not in command  # full graphs with the CUSTOM backend: never measured on a V100

@@ -80,3 +80,57 @@ def test_telemetry_logs_a_summary_on_its_interval(caplog):
         now[0] = 11.0
         telemetry.step(decode_rows=1, prefill_tokens=64, plan_cap=64, deferred=False)
     assert '"mode": "adaptive"' in caplog.text and '"samples": 0' in caplog.text
+
+
+def test_the_engine_info_plugin_is_declared():
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.stat_logger_plugins")}
+    assert plugins.get("prefill_gate") == "prefill_gate.engine_patches.info:EngineInfoLogger"
+
+
+@pytest.mark.parametrize("scheduler_cls, pacing, published", [
+    ("prefill_gate.engine_patches.pacing.PacedAsyncScheduler", "adaptive", "adaptive"),
+    ("prefill_gate.engine_patches.pacing.PacedScheduler", "cap", "cap"),
+    ("prefill_gate.engine_patches.pacing.PacedAsyncScheduler", "off", "off"),  # the kill switch
+    (None, "adaptive", "off"),  # the variable alone paces nothing: vLLM's own scheduler runs
+])
+def test_vllm_serves_the_engine_info_the_proxy_reads(tiny_model, monkeypatch, scheduler_cls, pacing, published):
+    """vLLM's own stat-logger machinery (the API server's) builds the plugin from its entry
+    point; the page vLLM serves on /metrics then carries what the proxy parses."""
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from prefill_gate.engine_info import parse
+    from prefill_gate.proxy.capabilities import parse_metrics
+    from tests.engine.harness import vllm_config
+
+    monkeypatch.setenv("PREFILL_GATE_PACING", pacing)
+    monkeypatch.setenv("PREFILL_GATE_PACING_TARGET_ITL_MS", "15")
+    monkeypatch.delenv("PREFILL_GATE_PACING_CONTROL_FILE", raising=False)
+    config = vllm_config(tiny_model, enable_prefix_caching=True)
+    config.scheduler_config.scheduler_cls = scheduler_cls
+    factories = load_stat_logger_plugin_factories()
+    assert any(f.__name__ == "EngineInfoLogger" for f in factories)
+    manager = StatLoggerManager(config, engine_idxs=[0], custom_stat_loggers=factories)
+    manager.log_engine_initialized()
+    page = generate_latest(REGISTRY)
+    info = parse(page)
+    assert info is not None and info.pacing == published and info.version
+    assert info.bounds_steps is (published in ("cap", "adaptive"))
+    assert (info.target_itl_ms == "15") is (published == "adaptive")
+    block, caching, engine = parse_metrics(page)  # vLLM's own cache info beside it, as the proxy reads both
+    assert (block, caching, engine) == (16, True, info)
+
+
+def test_the_engine_info_follows_the_control_file(tiny_model, monkeypatch, tmp_path):
+    from prefill_gate.engine_patches.info import engine_info
+    from tests.engine.harness import vllm_config
+
+    control = tmp_path / "pacing.env"
+    control.write_text("PREFILL_GATE_PACING=cap\n")
+    config = vllm_config(tiny_model)
+    config.scheduler_config.scheduler_cls = "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
+    env = {"PREFILL_GATE_PACING": "adaptive", "PREFILL_GATE_PACING_TARGET_ITL_MS": "15",
+           "PREFILL_GATE_PACING_CONTROL_FILE": str(control)}
+    assert engine_info(config, env).pacing == "cap"
+    control.write_text("PREFILL_GATE_PACING=sometimes\n")  # a bad file is ignored, as the scheduler does
+    assert engine_info(config, env).pacing == "adaptive"

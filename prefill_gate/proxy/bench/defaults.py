@@ -24,6 +24,7 @@ import asyncio
 import json
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -115,10 +116,14 @@ def judge(results: dict[str, dict[str, dict]]) -> list[dict]:
 # ------------------------------------------------------------------ the run
 class Runner:
     def __init__(self, stock: str, paced: str | None, work: Path, plan: Plan, model: str | None,
-                 proxy_args: list[str], progress: bool = True):
+                 proxy_args: list[str], budget_s: float = 0.0, progress: bool = True):
         self.urls = {"stock": stock, "paced": paced}
         self.work, self.plan, self.model = work, plan, model
         self.proxy_args, self.progress = proxy_args, progress
+        self.stop_at = time.monotonic() + budget_s if budget_s > 0 else math.inf
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() >= self.stop_at
 
     def path(self, row: str, part: str) -> Path:
         return self.work / f"{row}-{part}.json"
@@ -133,6 +138,9 @@ class Runner:
             todo = [p for p in parts if not self.path(row, p).exists()]
             if not todo:
                 self.say(f"{row}: done already")
+                continue
+            if self.out_of_time():
+                self.say(f"{row}: left for the next call (--budget)")
                 continue
             engine = self.urls[ENGINE[row]]
             if engine is None:
@@ -153,6 +161,9 @@ class Runner:
     def _parts(self, row: str, url: str, parts: list[str]) -> None:
         p = self.plan
         for part in parts:
+            if self.out_of_time():
+                self.say(f"{row}: {part} left for the next call (--budget)")
+                return
             self.say(f"{row}: {part} -> {url}")
             if part == "pair":
                 result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
@@ -176,9 +187,10 @@ def collect(work: Path) -> dict[str, dict[str, dict]]:
     return out
 
 
-COLUMNS = [("row", "row"), ("gaps p99 ms", "itl_ms_p99"), ("p99.9", "itl_ms_p999"), ("max", "itl_ms_max"),
-           ("TTFT p99 ms", "ttft_ms_p99"), ("long p50 x", "long_x_p50"), ("long p90 x", "long_x_p90"),
-           ("pair B max ms", "b_max_ms"), ("pair A x", "a_x"), ("sparse long p50 s", "sparse_long_ttft_s_p50")]
+COLUMNS = [("row", "row"), ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9"), ("itl_ms_max", "max"),
+           ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x"), ("long_x_p90", "long p90 x"),
+           ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"), ("sparse_long_ttft_s_p50", "sparse long p50 s"),
+           ("long_vs_direct", "x direct")]
 
 
 def report(results: dict[str, dict[str, dict]]) -> tuple[str, list[dict]]:
@@ -215,6 +227,9 @@ def add_arguments(p) -> None:
                    help="one more argument for every proxy started (e.g. --proxy-arg=--relay-core=python)")
     p.add_argument("--json", help="write the merged result and the checks here")
     p.add_argument("--plot", help="steady load's CDFs per row (PNG)")
+    p.add_argument("--budget", type=float, default=0.0, metavar="S",
+                   help="start no part after S seconds (a part runs to its end; 0: no limit); what is left "
+                        "runs on the next call")
     p.add_argument("--report-only", action="store_true", help="run nothing: merge what --work holds")
 
 
@@ -239,7 +254,7 @@ def main(args) -> int:
         plan = plan_from(args)
         plan.steady.validate()
         plan.sparse.validate()
-        Runner(args.stock, args.paced, work, plan, args.model, args.proxy_arg).run(rows, parts)
+        Runner(args.stock, args.paced, work, plan, args.model, args.proxy_arg, args.budget).run(rows, parts)
     results = collect(work)
     text, verdicts = report(results)
     print(text)
@@ -248,7 +263,7 @@ def main(args) -> int:
     if args.plot and any("steady" in r for r in results.values()):
         from .mixed_report import plot_mixed
 
-        endpoints = [{"label": row, "runs": [results[row]["steady"]]} for row in ROWS
-                     if "steady" in results.get(row, {})]
-        plot_mixed({"endpoints": endpoints}, args.plot)
+        steady = [row for row in ROWS if "steady" in results.get(row, {})]
+        plot_mixed({"endpoints": [{"label": row, "runs": [results[row]["steady"]]} for row in steady],
+                    "shape": results[steady[0]]["steady"]["shape"]}, args.plot)
     return 0

@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ... import __version__
+from ... import engine_info
 from ..disconnect import DisconnectWatch
 from . import refusals
 from .engine import Engine, SimRequest
@@ -180,6 +182,11 @@ def create_sim_app(engine: Engine, model: str = "sim", max_model_len: int = 1310
     cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                        ["block_size", "enable_prefix_caching", "engine"], registry=registry)
     cache_info.labels(str(engine.config.block_size), str(engine.config.enable_prefix_caching), "0").set(1)
+    if engine.config.pacing_cap > 0:  # as engine_patches' plugin publishes it on a paced vLLM's page
+        info = engine_info.EngineInfo(pacing="cap", short_tokens=str(engine.config.pacing_short_tokens),
+                                      version=__version__)
+        Gauge(engine_info.NAME, engine_info.DOCUMENTATION, list(info.labels()),
+              registry=registry).labels(**info.labels()).set(1)
     kv_capacity = engine.config.prefix_cache_blocks * engine.config.block_size
     kv_usage.labels(**labels).set_function(
         lambda: min(1.0, sum(r.num_computed + r.num_output for r in engine.running) / kv_capacity))

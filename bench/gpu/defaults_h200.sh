@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# What the defaults give on real vLLM 0.26.0: `prefill-gate bench defaults` (vLLM direct, the
+# proxy holding, the proxy with no flags, the stack: the proxy with no flags in front of a vLLM
+# that paces its steps), on the seed pair, sparse users and steady load, in calls that resume.
+#
+# On the GPU machine, after the recipe's chunk-only first run (docs/results/defaults.md):
+#   source .gpu/device_setup.sh setup && ROWS=direct,proxy bash bench/gpu/defaults_h200.sh "$OUT"
+#   (the next call, servers still up)   ROWS=stack,hold bash bench/gpu/defaults_h200.sh "$OUT"
+# Here, against two simulators (the paced one paces like the patches' cap mode):
+#   DRY_RUN=1 bash bench/gpu/defaults_h200.sh out/defaults-sim
+#
+# Two vLLM servers, started once with setsid (they outlive the call):
+#   stock  --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+#   paced  the same + the engine patches as docker compose starts them: PacedAsyncScheduler,
+#          PREFILL_GATE_PACING=adaptive, 15 ms target, short prompts first, full CUDA graphs
+# Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
+# call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
+# BUDGET: seconds after which no new part starts (a part runs to its end; the device kills a
+# call at 600 s).
+set -u
+OUT=${1:-out/defaults}
+MODEL=${MODEL:-.gpu/model-qwen3-8b}
+UTIL=${UTIL:-0.2}
+KV_BYTES=${KV_BYTES:-17179869184}
+ROWS=${ROWS:-direct,proxy,stack,hold}
+WORK=${WORK:-/root/defaults}
+[ "${DRY_RUN:-0}" = 1 ] && WORK=${WORK_DRY:-$OUT/work}
+DURATION=${DURATION:-120}
+BASELINE=${BASELINE:-20}
+SPARSE_DURATION=${SPARSE_DURATION:-60}
+PAIR_RUNS=${PAIR_RUNS:-3}
+mkdir -p "$OUT" "$WORK"
+RES=$(cd "$WORK" && pwd)
+RUNS=1
+source bench/gpu/lib.sh
+STOCK=8001 PACED=8002
+
+up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
+
+if up $STOCK && up $PACED; then
+  say "servers already up"
+else
+  gpu_info
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    start_server stock $STOCK
+    start_server paced $PACED --pacing-cap 256
+  else
+    start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+    sleep 12  # the second start's memory profiling after the first's
+    PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 PREFILL_GATE_PACING_LOG_INTERVAL_S=10 \
+      start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
+      --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler \
+      --compilation-config '{"cudagraph_mode":"FULL"}'
+  fi
+  for name in stock paced; do
+    port=$STOCK; [ $name = paced ] && port=$PACED
+    wait_health $port 420 "${PID_OF[$name]}" || { say "$name server did not come up"; tail -n 40 "$RES/server-$name.log"; exit 1; }
+  done
+  say "servers healthy"
+fi
+# What the paced server publishes for the proxy (the engine patches' stat-logger plugin).
+curl -s "http://127.0.0.1:$PACED/metrics" | grep '^prefill_gate_engine_info' | tee "$RES/paced-engine-info.txt"
+
+say "bench defaults: $ROWS"
+python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
+  --model m --work "$RES" --rows "$ROWS" --duration "$DURATION" --baseline-duration "$BASELINE" \
+  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" --budget "${BUDGET:-0}" \
+  --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
+grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
+grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | tail -40 > "$OUT/paced-server.log"
+tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
+say "done"
