@@ -4,8 +4,8 @@
 # that paces its steps), on the seed pair, sparse users and steady load, in calls that resume.
 #
 # On the GPU machine, after the recipe's chunk-only first run (docs/results/defaults.md):
-#   source .gpu/device_setup.sh setup && ROWS=direct,proxy bash bench/gpu/defaults_h200.sh "$OUT"
-#   (the next call, servers still up)   ROWS=stack,hold bash bench/gpu/defaults_h200.sh "$OUT"
+#   source .gpu/device_setup.sh setup && DEADLINE=370 bash bench/gpu/defaults_h200.sh "$OUT"
+#   (each next call, servers still up: the same command; what is done is skipped)
 # Here, against two simulators (the paced one paces like the patches' cap mode):
 #   DRY_RUN=1 bash bench/gpu/defaults_h200.sh out/defaults-sim
 #
@@ -15,8 +15,8 @@
 #          PREFILL_GATE_PACING=adaptive, 15 ms target, short prompts first, full CUDA graphs
 # Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
 # call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
-# BUDGET: seconds after which no new part starts (a part runs to its end; the device kills a
-# call at 600 s).
+# DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
+# end, a steady part ~3 minutes; the device kills a call at 600 s); 0: no limit.
 set -u
 OUT=${1:-out/defaults}
 MODEL=${MODEL:-.gpu/model-qwen3-8b}
@@ -61,10 +61,15 @@ fi
 # What the paced server publishes for the proxy (the engine patches' stat-logger plugin).
 curl -s "http://127.0.0.1:$PACED/metrics" | grep '^prefill_gate_engine_info' | tee "$RES/paced-engine-info.txt"
 
-say "bench defaults: $ROWS"
+BUDGET=0
+if [ "${DEADLINE:-0}" -gt 0 ]; then
+  BUDGET=$(( DEADLINE - ($(date +%s) - t0) ))
+  [ "$BUDGET" -gt 0 ] || { say "no time left for a part before DEADLINE"; BUDGET=0.001; }
+fi
+say "bench defaults: $ROWS (parts start within $BUDGET s)"
 python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
   --model m --work "$RES" --rows "$ROWS" --duration "$DURATION" --baseline-duration "$BASELINE" \
-  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" --budget "${BUDGET:-0}" \
+  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | tail -40 > "$OUT/paced-server.log"
