@@ -653,3 +653,25 @@ async def test_a_hold_that_outlives_its_prediction_is_decided_again():
     async with Gate(p).admission(a) as lease:
         assert lease.slicing
     assert 0.09 < time.monotonic() - start < 1.0 and len(asked) == 2
+
+
+async def test_a_paced_upstream_is_not_asked_to_count_a_long_prompt():
+    """Slicing auto counts a large prompt exactly on arrival (/tokenize) to weigh holding
+    against slicing. Where no upstream can be sliced (here: it paces its own steps) there is
+    nothing to weigh: the prompt goes on its estimate, and the upstream tokenizes it once."""
+    from conftest import FakeVLLM, chat, proxy_client
+
+    from prefill_gate.engine_info import EngineInfo
+    from prefill_gate.proxy.capabilities import Capabilities
+
+    fake = FakeVLLM()
+    async with proxy_client(fake, slicing="auto") as (client, state):
+        state.set_capabilities(state.settings.upstreams[0], Capabilities(16, True, True, EngineInfo("adaptive")))
+        assert state.policy.upstreams[state.settings.upstreams[0]].paced
+        r = await client.post("/v1/chat/completions", json=chat("x" * 60_000, max_tokens=1))
+        assert r.status_code == 200
+        assert [q.url.path for q in fake.requests] == ["/v1/chat/completions"]
+        # A sliceable upstream is asked, as before.
+        state.set_capabilities(state.settings.upstreams[0], Capabilities(16, True, True))
+        r = await client.post("/v1/chat/completions", json=chat("y" * 60_000, max_tokens=1))
+        assert [q.url.path for q in fake.requests][1:] == ["/tokenize", "/v1/chat/completions"]

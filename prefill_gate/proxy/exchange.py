@@ -163,6 +163,8 @@ async def _prepare(state: "AppState", path: str, headers: dict[str, str], endpoi
     slice_payload = token_ids = None
     if cls is RequestClass.LARGE and settings.slicing != Slicing.OFF:
         slice_payload = body.tokenize
+    if slice_payload is not None and not any(u.can_slice for u in state.policy.upstreams.values()):
+        slice_payload = None  # nowhere to slice it (a paced engine, or none that can): no /tokenize either
     if slice_payload is not None and settings.slicing == Slicing.AUTO:
         # Auto weighs holding against slicing by the prompt's tokens: count them exactly
         # (slicing needs the ids anyway), so that a tokenizer far from the calibrated
