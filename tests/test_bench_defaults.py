@@ -76,3 +76,15 @@ def test_the_defaults_on_the_simulator(tmp_path):
         assert f[row]["long_vs_direct"] < 3.0, (row, f[row])  # sparse users: nothing held for long
     assert f["proxy"]["long_x_p50"] < 5.0 and f["proxy"]["a_x"] < 4.0, f["proxy"]  # holding: the wait bound
     assert f["stack"]["long_x_p50"] < 3.0 and f["stack"]["a_x"] < 2.0, f["stack"]  # nothing held at all
+
+
+def test_a_row_whose_proxy_does_not_find_what_the_row_is_about_is_not_measured(tmp_path):
+    """The stack row in front of an engine that publishes no pacing would measure the proxy
+    slicing there, not the stack's default: it stops, saying why, and writes nothing."""
+    from prefill_gate.proxy.bench.services import Service
+
+    with Service("sim", name="stock") as stock:
+        runner = Runner(stock.url, stock.url, tmp_path, Plan(), None, [], progress=False)
+        with pytest.raises(SystemExit, match="row stack: the proxy found its upstream .* sliced, not paced"):
+            runner.run(["stack"], ["pair"])
+    assert not list(tmp_path.glob("stack-*.json"))

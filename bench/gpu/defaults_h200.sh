@@ -34,6 +34,14 @@ RES=$(cd "$WORK" && pwd)
 RUNS=1
 source bench/gpu/lib.sh
 STOCK=8001 PACED=8002
+# Not pip-installed there: the engine patches' entry points (the plugin, and the stat logger
+# that publishes prefill_gate_engine_info) come from the wheel's dist-info, shipped as .gpu/ep
+# (docs/results/defaults.md says how to make it). Without them the proxy cannot see the pacing.
+if [ "${DRY_RUN:-0}" != 1 ]; then
+  [ -f .gpu/ep/prefill_gate-0.1.0.dist-info/entry_points.txt ] \
+    || { say "no .gpu/ep/prefill_gate-0.1.0.dist-info: the paced server would publish no engine info"; exit 2; }
+  export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/ep
+fi
 
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 
@@ -58,8 +66,10 @@ else
   done
   say "servers healthy"
 fi
-# What the paced server publishes for the proxy (the engine patches' stat-logger plugin).
+# What the paced server publishes for the proxy (the engine patches' stat-logger plugin): the
+# stack row means nothing without it (bench defaults checks the proxy saw it, too).
 curl -s "http://127.0.0.1:$PACED/metrics" | grep '^prefill_gate_engine_info' | tee "$RES/paced-engine-info.txt"
+grep -Eq 'pacing="(adaptive|cap)"' "$RES/paced-engine-info.txt" || { say "the paced server publishes no pacing"; exit 3; }
 
 BUDGET=0
 if [ "${DEADLINE:-0}" -gt 0 ]; then

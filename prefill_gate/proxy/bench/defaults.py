@@ -38,6 +38,10 @@ PARTS = ("pair", "sparse", "steady")
 # The proxy each row runs (None: the engine itself) and the engine it is in front of.
 PROXY_FLAGS = {"direct": None, "hold": ["--slicing", "off"], "proxy": [], "stack": []}
 ENGINE = {"direct": "stock", "hold": "stock", "proxy": "stock", "stack": "paced"}
+# What each row's proxy must have found its upstream to be (its /health's mode) before the
+# row is measured: a stack row whose proxy did not see the pacing measures something else.
+MODE = {"hold": "held", "proxy": "sliced", "stack": "paced"}
+MODE_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -154,9 +158,27 @@ class Runner:
                     *flags]
             with Service(*args, name=f"proxy-{row}", timeout=60) as proxy:
                 try:
+                    self._expect_mode(row, proxy.url, engine)
                     self._parts(row, proxy.url, todo)
                 finally:
                     (self.work / f"proxy-{row}.log").write_text(proxy.output()[-2_000_000:])
+
+    def _expect_mode(self, row: str, url: str, engine: str) -> None:
+        """Wait until the row's proxy has probed its upstream; fail the row unless it found
+        what the row is about (``MODE``)."""
+        import httpx
+
+        deadline, mode = time.monotonic() + MODE_WAIT_S, None
+        while time.monotonic() < deadline:
+            up = httpx.get(url + "/health", timeout=5.0).json()["upstreams"].get(engine.rstrip("/"), {})
+            mode = up.get("mode")
+            if mode is not None:
+                break
+            time.sleep(0.2)
+        if mode != MODE[row]:
+            raise SystemExit(f"row {row}: the proxy found its upstream {engine} {mode or 'unprobed'}, not "
+                             f"{MODE[row]} (for paced: does the engine publish prefill_gate_engine_info? the "
+                             "engine patches' stat-logger plugin must be installed in its environment)")
 
     def _parts(self, row: str, url: str, parts: list[str]) -> None:
         p = self.plan
