@@ -36,7 +36,7 @@ source bench/gpu/lib.sh
 STOCK=8001 PACED=8002
 # Not pip-installed there: the engine patches' entry points (the plugin, and the stat logger
 # that publishes prefill_gate_engine_info) come from the wheel's dist-info, shipped as .gpu/ep
-# (docs/results/defaults.md says how to make it). Without them the proxy cannot see the pacing.
+# (`python3 bench/gpu/dist_info.py .gpu/ep` writes it). Without them the proxy cannot see the pacing.
 if [ "${DRY_RUN:-0}" != 1 ]; then
   [ -f .gpu/ep/prefill_gate-0.1.0.dist-info/entry_points.txt ] \
     || { say "no .gpu/ep/prefill_gate-0.1.0.dist-info: the paced server would publish no engine info"; exit 2; }
