@@ -19,9 +19,22 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from prefill_gate.proxy.app import build_state, create_app
-from prefill_gate.proxy.settings import load_settings
-from prefill_gate.proxy.state import AppState
+# The relay's compiled core built apart (tests/test_relaycore_asan.py: with AddressSanitizer),
+# loaded in place of the installed one before anything imports it.
+if os.environ.get("PREFILL_GATE_RELAYCORE_SO"):
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    _loader = importlib.machinery.ExtensionFileLoader("prefill_gate.proxy._relaycore",
+                                                      os.environ["PREFILL_GATE_RELAYCORE_SO"])
+    _core = importlib.util.module_from_spec(importlib.util.spec_from_loader(_loader.name, _loader))
+    _loader.exec_module(_core)
+    sys.modules[_loader.name] = _core
+
+from prefill_gate.proxy.app import build_state, create_app  # noqa: E402
+from prefill_gate.proxy.settings import load_settings  # noqa: E402
+from prefill_gate.proxy.state import AppState  # noqa: E402
 
 UPSTREAM = "http://vllm.test"
 CHAT = "/v1/chat/completions"

@@ -497,3 +497,68 @@ async def test_an_upstream_header_over_0x7f_passes_byte_exact(fake, path):
         async with proxy_client(noted) as (c, _):
             r = await c.get("/v1/models")
     assert r.status_code == 200 and (b"x-note", value) in r.headers.raw
+
+
+# ------------------------------------------------------------------ hostile upstream wires, end to end
+async def _through_proxy(answer: bytes, method: str, path: str, body: dict | None = None):
+    """The proxy (its own listener, compiled relay where built) in front of a raw upstream
+    that answers every request with ``answer`` and closes; one client request through it.
+    Returns (status or the client's error, headers, body)."""
+
+    async def handler(reader, writer, srv):
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    async with Server(handler) as srv:
+        state = build_state(load_settings({"upstreams": [srv.url]}, environ={}), registry=CollectorRegistry())
+        async with serve(create_app(state, health_checks=False)) as url, httpx.AsyncClient(timeout=10) as c:
+            try:
+                r = await c.request(method, url + path, json=body)
+            except httpx.HTTPError as exc:
+                return exc, None, None
+            return r.status_code, r.headers, r.content
+
+
+async def test_a_passthrough_answer_cut_short_reaches_the_client_broken_not_complete():
+    """The upstream promises 1000 bytes, sends 10 and closes: the client must see a broken
+    answer (here: a chunked body without its end), never a complete 200."""
+    status, _, _ = await _through_proxy(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                        b"content-length: 1000\r\n\r\n" + b"0123456789", "GET", "/v1/models")
+    assert isinstance(status, httpx.RemoteProtocolError), status
+    # Read whole before the answer begins (a gated non-streaming request): an error answer.
+    status, _, body = await _through_proxy(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                           b"content-length: 1000\r\n\r\n" + b"0123456789", "POST", CHAT, chat())
+    assert status == 502 and json.loads(body)["error"]["type"]
+
+
+async def test_upstream_trailer_fields_never_become_the_clients_headers():
+    wire = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunk(b'{"id": "x", "choices": []}') + b"0\r\nset-cookie: session=evil\r\nlocation: /evil\r\n\r\n")
+    for method, path, body in (("POST", CHAT, chat()), ("GET", "/v1/models", None)):
+        status, headers, got = await _through_proxy(wire, method, path, body)
+        assert status == 200 and json.loads(got)["id"] == "x"
+        assert "set-cookie" not in headers and "location" not in headers, (path, headers)
+
+
+@pytest.mark.parametrize("status", [b"000", b"999"])
+async def test_an_upstream_status_outside_100_599_is_a_502(status, caplog):
+    wire = b"HTTP/1.1 " + status + b" Odd\r\ncontent-length: 2\r\n\r\n{}"
+    for method, path, body in (("POST", CHAT, chat()), ("GET", "/v1/models", None)):
+        got, _, answer = await _through_proxy(wire, method, path, body)
+        assert got == 502 and "broke the connection" in json.loads(answer)["error"]["message"], (path, answer)
+    assert "Exception in ASGI application" not in caplog.text
+
+
+async def test_headers_the_client_names_in_connection_stay_on_its_hop(fake):
+    """RFC 9110 7.6.1: what Connection lists is hop-by-hop; so are HTTP2-Settings and Expect
+    (the listener answers 100-continue itself)."""
+    async with proxy_client(fake) as (c, _):
+        r = await c.post(CHAT, json=chat(), headers={"connection": "keep-alive, X-Secret, x-other",
+                                                     "x-secret": "s", "X-Other": "o", "x-kept": "k",
+                                                     "http2-settings": "AAMAAABkAAQAoAAAAAIAAAAA",
+                                                     "expect": "100-continue"})
+        assert r.status_code == 200
+    sent = {k.lower() for k in fake.requests[-1].headers}
+    assert "x-kept" in sent
+    assert not sent & {"x-secret", "x-other", "http2-settings", "expect", "connection"}

@@ -183,8 +183,11 @@ async def test_a_big_bodys_exact_count_and_slicing_requests_go_upstream_as_read_
 
     text = "y" * 6000
     messages = [{"role": "user", "content": text}]
+    from prefill_gate.proxy.capabilities import Capabilities
+
     async with proxy_client(fake, upstream_tokenize=True, slicing="auto", large_prefill_tokens=1500,
                             offload_body_bytes=4096, body_workers=1) as (c, state):
+        state.set_capabilities(state.settings.upstreams[0], Capabilities(16, True, True))  # an upstream that slices
         r = await c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
         assert r.status_code == 200
         assert state.bodies._pool is not None  # read in the worker

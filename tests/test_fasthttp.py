@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import gc
 
 import httpx
 import pytest
@@ -738,3 +740,152 @@ async def test_only_the_compiled_core_gets_framed_connections():
     compiled_core()
     assert make_state().client._fast._connection is fasthttp.FramedConnection
     assert make_state(relay_core="python").client._fast._connection is fasthttp._Connection
+
+
+async def test_a_read_that_ends_inside_a_chunk_size_line_is_not_taken_for_whole_chunks():
+    """The parser holds a chunk size's first digit ("1" of "1a") when a read ends there; the
+    next read, "a\\r\\n" and 26 bytes, must not be read as whole chunks from its start, even
+    where its bytes happen to frame as such: the same bytes give the same body with the
+    compiled core's reads and with the parser's."""
+    core = compiled_core()
+    payload = b"0123456789" + b"\r\n" + b"b\r\n" + b"ABCDEFGHIJK"  # 26 bytes that also frame as a 10 and an 11
+    assert core.chunk_payloads(b"a\r\n" + payload + b"\r\n") == b"0123456789ABCDEFGHIJK"  # the lie to avoid
+    reads = [chunk(b"abc") + b"1", b"a\r\n" + payload + b"\r\n", b"0\r\n\r\n"]
+    plain, plain_conn, _ = _relay_through(fasthttp._Connection, core, reads, [True], framed=False)
+    framed, framed_conn, _ = _relay_through(fasthttp.FramedConnection, core, reads, [True], framed=True)
+    assert b"".join(plain) == b"".join(framed) == b"abc" + payload
+    assert plain_conn.complete and framed_conn.complete
+
+
+@st.composite
+def lying_payloads(draw) -> bytes:
+    """A chunk payload of 16X + Y bytes (size "XY" in hex) built so that, read from the size's
+    second digit on ("Y\r\n" + payload + "\r\n"), the bytes also frame as whole chunks: Y
+    bytes, then a chunk of k bytes (k + its hex digits + 4 = 16X)."""
+    x = draw(st.integers(1, 2))
+    y = draw(st.integers(1, 15))
+    k = next(k for k in range(16 * x) if k + len(b"%x" % k) + 4 == 16 * x)
+    return draw(st.binary(min_size=y, max_size=y)) + b"\r\n" + chunk(draw(st.binary(min_size=k, max_size=k)))[:-2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(lying_payloads(), st.binary(min_size=1, max_size=40)), min_size=1, max_size=6),
+       st.lists(st.booleans(), min_size=1, max_size=5), st.data())
+async def test_chunks_whose_payloads_frame_as_chunks_reach_the_sink_alike(frames, answers, data):
+    """The differential fuzz, aimed where the fast path can be fooled: payloads that also
+    frame as chunks from their size's second digit, reads cut right after a size's first
+    digit and at other offsets. The compiled core's reads and the parser's give the same body."""
+    core = compiled_core()
+    wire = b"".join(chunk(f) for f in frames) + b"0\r\n\r\n"
+    size_digits, at = [], 0
+    for f in frames:
+        size_digits.append(at + 1)  # just after the first digit of this chunk's size
+        at += len(chunk(f))
+    cuts = data.draw(st.lists(st.sampled_from(size_digits), max_size=3)) + \
+        data.draw(st.lists(st.integers(1, len(wire) - 1), max_size=3))
+    points = sorted(set(cuts) | {0, len(wire)})
+    reads = [wire[a:b] for a, b in zip(points, points[1:]) if b > a]
+    plain, plain_conn, _ = _relay_through(fasthttp._Connection, core, reads, answers, framed=False)
+    framed, framed_conn, _ = _relay_through(fasthttp.FramedConnection, core, reads, answers, framed=True)
+    assert b"".join(plain) == b"".join(framed) == b"".join(frames)
+    assert plain_conn.complete and framed_conn.complete
+
+
+@pytest.mark.parametrize("cls", ["_Connection", "FramedConnection"])
+async def test_trailer_fields_never_become_the_answers_headers(cls):
+    """A chunked answer's trailer fields are bounded and dropped: the answer's header list
+    (which a non-streaming relay reads after the body) holds the head's fields alone."""
+    if cls == "FramedConnection":
+        compiled_core()
+    conn = getattr(fasthttp, cls)(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+                       b"trailer: set-cookie\r\n\r\n" + chunk(b"{}") + b"0\r\nset-cookie: session=evil\r\n"
+                       b"location: http://evil.test/\r\n\r\n")
+    assert conn.complete and conn.error is None
+    assert [name for name, _ in conn.headers] == [b"content-type", b"transfer-encoding", b"trailer"]
+    many = fasthttp._Connection(("http", "upstream.invalid", 80), max_headers=8)
+    many.connection_made(_Socket())
+    many.data_received(HEAD_SSE + b"0\r\n" + b"".join(b"t%d: v\r\n" % i for i in range(20)) + b"\r\n")
+    assert isinstance(many.error, httpx.RemoteProtocolError)  # trailers count against the bound
+
+
+@pytest.mark.parametrize("status", [b"000", b"099", b"600", b"999"])
+async def test_a_status_that_is_not_http_is_a_protocol_error(status):
+    conn = fasthttp._Connection(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn.data_received(b"HTTP/1.1 " + status + b" Weird\r\ncontent-length: 0\r\n\r\n")
+    assert isinstance(conn.error, httpx.RemoteProtocolError) and not conn.head_done
+
+
+async def test_a_sink_that_drops_the_connections_hold_on_it_mid_call_is_safe():
+    """The compiled read step calls the sink's ``chunked`` while the connection holds the
+    only references to it, its queue and its reader's future; a sink whose work ends the
+    relay (the connection drops all three, as its answer's close does) must not leave the
+    step using what was freed (tests/test_relaycore_asan.py runs this under AddressSanitizer)."""
+    core = compiled_core()
+    loop = asyncio.get_running_loop()
+
+    class Dropping:
+        def __init__(self, conn, answer):
+            self.conn, self.answer, self.calls = conn, answer, 0
+
+        def chunked(self, data):
+            self.calls += 1
+            conn = self.conn
+            conn.sink = conn.sink_chunked = None  # the last references to this sink's bound method
+            conn.chunks = collections.deque()
+            conn.waiter = None
+            self.conn = None
+            return self.answer
+
+    for answer in (True, b"left for the reader", None):
+        conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
+        conn.connection_made(_Socket())
+        conn._loop, conn._wait_timeout = loop, 600.0
+        conn.data_received(HEAD_SSE + chunk(b"first"))
+        conn.take()
+        sink = Dropping(conn, answer)
+        conn.sink, conn.sink_chunked = (lambda data: True), sink.chunked
+        del sink
+        conn.waiter = loop.create_future()
+        assert conn.at_boundary
+        conn.data_received(chunk(b"second"))  # whole: offered to the sink, which lets go of everything
+        gc.collect()
+        assert conn.sink_chunked is None and conn.error is None
+        conn.data_received(b"0\r\n\r\n")
+        assert conn.complete
+
+
+async def test_a_relay_whose_own_callback_drops_it_mid_read_is_not_freed_under_it():
+    """The compiled relay's ``chunked`` as a framed connection's sink, the connection holding
+    the only reference to it: a token callback inside it that ends the relay (the stream's end
+    drops the sink) must not free the relay while its C code still runs (a use after free,
+    seen with the borrowed reference under AddressSanitizer: tests/test_relaycore_asan.py)."""
+    import types
+
+    core = compiled_core()
+    loop = asyncio.get_running_loop()
+    conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn._loop, conn._wait_timeout = loop, 600.0
+    conn.data_received(HEAD_SSE + chunk(b"data: {}\n\n"))
+    conn.take()
+    written = []
+    flow = types.SimpleNamespace(write_paused=False)
+    cycle = types.SimpleNamespace(flow=flow, transport=types.SimpleNamespace(write=written.append),
+                                  response_started=True, chunked_encoding=True, response_complete=False,
+                                  disconnected=False)
+
+    def on_tokens(gap, n):
+        conn.sink = conn.sink_chunked = None  # the stream ended: its relay goes
+
+    observer = types.SimpleNamespace(first_at=1.0, splitter=types.SimpleNamespace(held=False), clock=lambda: 2.0,
+                                     tokens=0, on_tokens=on_tokens, last_at=1.0)
+    relay = core.DirectRelay(cycle, observer)
+    conn.sink, conn.sink_chunked = relay, relay.chunked
+    del relay
+    conn.waiter = loop.create_future()
+    conn.data_received(chunk(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'))
+    gc.collect()
+    assert conn.sink_chunked is None and written and observer.tokens == 1

@@ -523,6 +523,95 @@ async def test_pipelined_requests_past_the_bound_are_not_held():
     assert got.rstrip().endswith(b"}") and b"connection: close" in got.split(b"HTTP/1.1 200 OK")[-1]
 
 
+async def test_a_bare_crlf_after_an_answer_gets_the_head_deadline():
+    """llhttp skips CRLF between messages without beginning one, and the keep-alive timer
+    stopped at any byte: a connection kept to one answer, then a bare CRLF, had no deadline
+    left. Now any byte after an answer starts the head's deadline."""
+    from prefill_gate.proxy.settings import load_settings
+
+    quick = load_settings({"upstreams": ["http://u.test"], "client_header_timeout": 0.5,
+                           "client_idle_timeout": 0.3}, environ={})
+    async with serve(echo, quick) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"GET /len HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(re.search(rb"content-length: (\d+)", head).group(1))
+        await reader.readexactly(length)  # the whole first answer
+        writer.write(b"\r\n")
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(reader.read(-1), 5)
+        waited = asyncio.get_running_loop().time() - t0
+        writer.close()
+    assert rest.startswith(b"HTTP/1.1 408") and b"client_header_timeout" in rest
+    assert 0.4 < waited < 2.0
+
+
+async def test_a_body_that_trickles_gets_408_and_one_that_flows_does_not():
+    """A head, then its body a byte at a time: 408 once client_body_timeout passes (the app
+    hears its client is gone; nothing of the body reaches it whole). A large body arriving
+    steadily moves the deadline on (a second per 64 KiB) and is read whole."""
+    from prefill_gate.proxy.settings import load_settings
+
+    heard = []
+
+    async def reads(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        size = 0
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                heard.append("disconnect")
+                return
+            size += len(m["body"])
+            if not m["more_body"]:
+                break
+        heard.append(size)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    quick = load_settings({"upstreams": ["http://u.test"], "client_body_timeout": 0.5}, environ={})
+    async with serve(reads, quick) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n")
+        t0 = asyncio.get_running_loop().time()
+        with contextlib.suppress(ConnectionError):
+            for _ in range(40):
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                if reader.at_eof() or reader._buffer:
+                    break
+        answer = await asyncio.wait_for(reader.read(-1), 5)
+        waited = asyncio.get_running_loop().time() - t0
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"client_body_timeout" in answer
+        assert 0.4 < waited < 1.5 and heard == ["disconnect"]
+        heard.clear()
+        body = b"y" * (1 << 20)  # 1 MiB over ~1.6 s: past 0.5 s, but each 64 KiB adds a second
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 1 << 16):
+            writer.write(body[i:i + (1 << 16)])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        answer = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200") and heard == [len(body)]
+
+
+async def test_an_answer_status_that_is_not_http_gets_a_500_not_a_dropped_connection():
+    async def odd(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 1000, "headers": []})
+
+    async with serve(odd, SETTINGS) as url:
+        got = await exchange(url, [b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"])
+    assert got.startswith(b"HTTP/1.1 500")
+
+
 async def test_idle_connections_close_and_the_limit_answers_503():
     state = make_state(client_idle_timeout=0.2, max_client_connections=16)
     async with serve(echo, state.settings) as url:
@@ -573,3 +662,75 @@ async def test_shutdown_closes_idle_connections_and_ends_the_answer_under_way():
     sock.close()
     for _, w in (idle, busy):
         w.close()
+
+
+# ------------------------------------------------------------------ connection lifetime, against uvicorn's
+async def _lifetime(url: str, pieces: list[bytes], close_after_s: float | None, wait_s: float) -> tuple[bytes, str]:
+    """Send ``pieces``; then close our side after ``close_after_s`` (None: never), and read for
+    ``wait_s``. Returns (what came back, how the connection ended: "server" closed it, or
+    "open" when it was still open when we stopped reading)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(url))
+    for piece in pieces:
+        writer.write(piece)
+    await writer.drain()
+    got, ended = b"", "open"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    closed_ours = close_after_s is None
+    close_at = loop.time() + (close_after_s or 0)
+    try:
+        while loop.time() < deadline:
+            if not closed_ours and loop.time() >= close_at:
+                writer.close()
+                closed_ours = True
+                break
+            try:
+                data = await asyncio.wait_for(reader.read(65536), 0.05)
+            except asyncio.TimeoutError:
+                continue
+            if not data:
+                ended = "server"
+                break
+            got += data
+    finally:
+        writer.close()
+    return normal(got), ended
+
+
+async def test_connection_lifetime_matches_uvicorns_where_it_should():
+    """Beyond the bytes (the differential test above), when a connection ends: kept alive and
+    then closed when idle, closed after an answer that asks for it, and a client's leaving
+    mid-answer told to the app, alike in both protocols."""
+    lost = {"theirs": asyncio.Event(), "ours": asyncio.Event()}
+
+    def streams(side: str):
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            if scope["path"] != "/stream":
+                return await echo(scope, receive, send)
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            if (await receive())["type"] == "http.disconnect":  # until the client leaves
+                lost[side].set()
+
+        return app
+
+    # Both keep an idle connection 5 s: uvicorn's default and client_idle_timeout's.
+    assert SETTINGS.client_idle_timeout == uvicorn.Config(app=None).timeout_keep_alive == 5
+    get = b"GET /len HTTP/1.1\r\nhost: x\r\n\r\n"
+    async with serve(streams("theirs"), plain=True) as theirs, serve(streams("ours"), SETTINGS) as ours:
+        for pieces, close_after, wait in [
+            ([get], None, 6.0),  # kept alive, then closed when idle
+            ([b"GET /close HTTP/1.1\r\nhost: x\r\n\r\n"], None, 2.0),  # the answer says close
+            ([get.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")], None, 2.0),  # the request says close
+            ([b"GET /len HTTP/1.0\r\nhost: x\r\n\r\n"], None, 2.0),  # HTTP/1.0
+            ([b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n"], 0.3, 1.0),  # the client leaves mid-answer
+        ]:
+            results = {}
+            for side, url in (("theirs", theirs), ("ours", ours)):
+                results[side] = await _lifetime(url, pieces, close_after, wait)
+            assert results["ours"] == results["theirs"], (pieces, results)
+        for event in lost.values():  # both apps heard the client leave
+            await asyncio.wait_for(event.wait(), 2)

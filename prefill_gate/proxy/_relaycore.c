@@ -3,7 +3,7 @@
    Every upstream read of a stream under way runs the same few checks and one write: is the
    client's side ready for a body part, is the read nothing but whole content chunks, then
    frame it and write it. In Python that is half a dozen bytes-method calls and three
-   frames a read, about 40% of the Python a read costs (bench/relay_read.py, docs/RESULTS.md
+   frames a read, about 40% of the Python a read costs (bench/relay_read.py, the old docs/RESULTS.md, in git history
    3l). This module does the same in one call. It decides nothing of its own: every rule is the
    Python code's or the HTTP parser's, and tests/test_relaycore.py holds them equal.
 
@@ -871,24 +871,38 @@ static PyObject *
 framed_data_received(FramedReads *self, PyObject *data)
 {
     if (self->at_boundary && is_set(self->sink_chunked) && self->chunks != NULL) {
-        Py_ssize_t queued = PyObject_Size(self->chunks);
-        int waiting = queued < 0 ? -1 : queued == 0 ? parked(self->waiter) : 0;
-        if (waiting < 0)
+        /* Strong references for the calls below: the sink's callbacks may drop the
+           connection's own (a relay that ends, a connection reset), and a borrowed one would
+           free the sink, or the queue, in the middle of its use. */
+        PyObject *sink = Py_NewRef(self->sink_chunked);
+        PyObject *chunks = Py_NewRef(self->chunks);
+        PyObject *waiter = Py_XNewRef(self->waiter);
+        Py_ssize_t queued = PyObject_Size(chunks);
+        int waiting = queued < 0 ? -1 : queued == 0 ? parked(waiter) : 0;
+        Py_XDECREF(waiter);
+        PyObject *taken = waiting > 0 ? PyObject_CallOneArg(sink, data) : NULL;
+        Py_DECREF(sink);
+        if (waiting < 0) {
+            Py_DECREF(chunks);
             return NULL;
-        if (waiting) {  /* the reader is parked, nothing queued: whole chunks go to the sink, unparsed */
-            PyObject *taken = PyObject_CallOneArg(self->sink_chunked, data);
-            if (taken == NULL)
+        }
+        if (waiting) {  /* the reader was parked, nothing queued: whole chunks went to the sink, unparsed */
+            if (taken == NULL) {
+                Py_DECREF(chunks);
                 return sink_raised(self);
+            }
             if (taken == Py_True) {
                 Py_DECREF(taken);
+                Py_DECREF(chunks);
                 if (deadline_moved(self) < 0)
                     return NULL;
                 Py_RETURN_NONE;
             }
             if (taken != Py_None) {  /* whole chunks, their payloads left for the reader */
                 Py_ssize_t size = PyObject_Size(taken);
-                int rc = size < 0 ? -1 : call_method(self->chunks, s_append, taken);
+                int rc = size < 0 ? -1 : call_method(chunks, s_append, taken);
                 Py_DECREF(taken);
+                Py_DECREF(chunks);
                 if (rc < 0)
                     return NULL;
                 self->buffered += size;
@@ -898,6 +912,7 @@ framed_data_received(FramedReads *self, PyObject *data)
             }
             Py_DECREF(taken);
         }
+        Py_DECREF(chunks);
     }
     return PyObject_CallMethodOneArg((PyObject *)self, s_parse_read, data);
 }

@@ -19,6 +19,9 @@
 
 An upstream's own 4xx/5xx *response* is not an exception: its body reaches the
 client unchanged. Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+
+Outside the tree, ``AnswerCut``: an answer that began and cannot end whole (a passthrough
+body the upstream broke off) is cut, the connection closed, never ended as if complete.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ import math
 from starlette.responses import JSONResponse
 
 from .labels import ErrorKind, OutcomeKind
+
+
+class AnswerCut(Exception):
+    """Raised out of the app after its answer began: the connection must close without the
+    answer's end (a chunked body's last chunk, or the rest of a declared length), so that the
+    client sees a broken answer, not a complete-looking one. The listener closes quietly."""
 
 
 class ProxyError(Exception):

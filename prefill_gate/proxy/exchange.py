@@ -557,7 +557,10 @@ class GatedExchange(Exchange):
 
 # ------------------------------------------------------------------ passthrough
 class PassthroughExchange(Exchange):
-    """Any other allowed path: method, headers, body and status pass unchanged."""
+    """Any other allowed path: method, headers, body and status pass unchanged (a body the
+    upstream breaks off is cut, not ended)."""
+
+    cut_on_error = True
 
     def __init__(self, state: "AppState", upstream: str, method: str, path: str, query: str, headers: Any, body: bytes):
         super().__init__(state.exchanges, state.settings.max_request_seconds)

@@ -148,6 +148,7 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
         self._head_size = 0
+        self._fields = 0  # header fields, then trailer fields, of this answer
         self.interim = 0
         self.head_done = False
         self.keep_alive = False
@@ -240,17 +241,21 @@ class _Connection(asyncio.Protocol):
             raise httptools.HttpParserError("upstream sent an answer nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
         self._head_size += len(name) + len(value)
-        if len(self.headers) > self.max_headers or self._head_size > self.max_head_bytes:
+        self._fields += 1
+        if self._fields > self.max_headers or self._head_size > self.max_head_bytes:
             raise httptools.HttpParserError(f"more than {self.max_headers} headers or {self.max_head_bytes} "
                                             "bytes of them (max_upstream_headers, max_upstream_head_bytes)")
+        if not self.head_done:  # (after the head: a chunked body's trailer, bounded, never a header)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if not 100 <= self.status <= 599:  # llhttp takes any three digits
+            raise httptools.HttpParserError(f"status {self.status} is not an HTTP status")
         if 100 <= self.status < 200:  # an interim answer (100 Continue): wait for the real one
             self.headers = []
-            self._head_size = 0
+            self._head_size = self._fields = 0
             self.interim += 1
             if self.interim > MAX_INTERIM:
                 raise httptools.HttpParserError(f"more than {MAX_INTERIM} interim (1xx) answers")
@@ -369,6 +374,13 @@ if _FramedReads is not None:
 
         def on_chunk_complete(self) -> None:
             self.at_boundary = True  # (after the last chunk, on_message_complete takes it back)
+
+        def _parse_read(self, data: bytes) -> None:
+            _Connection.data_received(self, data)
+            if self.at_boundary and data[-1:] != b"\n":
+                # The read went on past the chunk's end, into the next chunk's size line: the
+                # parser holds those digits, so the next read does not start at a chunk.
+                self.at_boundary = False
 else:
     FramedConnection = None  # no compiled core: the parser takes every read
 

@@ -53,6 +53,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from .disconnect import ON_LOST
+from .errors import AnswerCut
 
 # The loggers uvicorn's protocol logs to: logging set up for uvicorn (and prefill-gate
 # serve's filters on them, prefill_gate/proxy/cli.py) applies as before.
@@ -79,6 +80,9 @@ def _plain(status: int, text: str, *, json_error: str | None = None) -> bytes:
 
 _400 = _plain(400, "Invalid HTTP request received.")
 _408 = _plain(408, "the request's headers did not arrive in time (client_header_timeout)", json_error="request_timeout")
+_408_BODY = _plain(408, "the request's body did not arrive in time (client_body_timeout)", json_error="request_timeout")
+BODY_MIN_RATE = 65536  # bytes a second: each such many received give a body's deadline one more second
+_HEAD, _BODY, _IDLE = "head", "body", "idle"  # what the connection's one timer bounds
 _414 = _plain(414, "the request target is over %d bytes" % MAX_TARGET_BYTES, json_error="uri_too_long")
 _READING, _PAUSED, _STOPPED = "reading", "paused", "stopped"  # a connection's reads
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -135,6 +139,9 @@ class Cycle:
     async def run(self, app: Any) -> None:
         try:
             result = await app(self.scope, self.receive, self.send)
+        except AnswerCut as exc:  # the app's own verdict: its answer, begun, cannot end whole
+            log.debug("answer cut: %s", exc)
+            self.transport.close()
         except BaseException as exc:
             log.error("Exception in ASGI application\n", exc_info=exc)
             if not self.response_started:
@@ -200,6 +207,9 @@ class Cycle:
             raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
 
     def _start(self, status: int, headers: Any) -> None:
+        line = STATUS_LINE.get(status)
+        if line is None:  # (the app's error: refused before anything is written, so it can still get a 500)
+            raise RuntimeError(f"ASGI response status {status!r} is not an HTTP status")
         self.response_started = True
         self.continue_expected = False
         conn = self.flow
@@ -207,7 +217,7 @@ class Cycle:
             scope = self.scope
             access.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
                         get_path_with_query_string(scope), scope["http_version"], status)
-        head = [STATUS_LINE[status]]
+        head = [line]
         for name, value in conn.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
         closes = False
@@ -266,12 +276,13 @@ class Connection(asyncio.Protocol):
     accepted connection with its config and the server's shared state."""
 
     header_timeout = 10.0  # client_header_timeout
+    body_timeout = 30.0  # client_body_timeout
     max_header_bytes = 65536
     access_log = False
 
     __slots__ = ("config", "server_state", "app_state", "app", "loop", "transport", "parser", "client", "server",
                  "scheme", "url", "headers", "head_bytes", "quiet", "surfaced", "in_head", "continue_expected", "cycle",
-                 "active", "queued", "read_state", "write_paused", "drainers", "timer", "timer_is_head",
+                 "active", "queued", "read_state", "write_paused", "drainers", "timer", "timer_kind", "body_deadline",
                  "on_lost", "lingering")
 
     def __init__(self, config: Any, server_state: Any, app_state: dict, _loop: Any = None) -> None:
@@ -293,7 +304,8 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self.drainers: list = []
         self.timer: asyncio.TimerHandle | None = None
-        self.timer_is_head = False
+        self.timer_kind: str | None = None  # _HEAD, _BODY or _IDLE (keep-alive, lingering)
+        self.body_deadline = 0.0  # loop time; while timer_kind is _BODY
         self.on_lost: list = []  # callbacks for the connection's loss (prefill_gate.proxy.disconnect)
         self.lingering = False  # refused: what the client still sends is dropped
         self.quiet = 0  # bytes read since the parser last made something of them
@@ -329,8 +341,11 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return
-        if self.timer is not None and not self.timer_is_head:
-            self._disarm()  # the keep-alive timer: the next request has begun
+        kind = self.timer_kind
+        if kind is _IDLE:  # kept alive, and bytes came: a head begins (or a CRLF: no deadline-free idling)
+            self._arm_head()
+        elif kind is _BODY:
+            self.body_deadline += len(data) / BODY_MIN_RATE
         self.surfaced = False
         try:
             self.parser.feed_data(data)
@@ -355,8 +370,12 @@ class Connection(asyncio.Protocol):
             if self.quiet > self.max_header_bytes + MAX_TARGET_BYTES:
                 self._refuse(self._431() if self.in_head else _400)
                 return
-        if self.in_head and self.timer is None and self._idle():
-            self._arm_head()
+        if self.timer is None:
+            cycle = self.cycle
+            if self.in_head and self._idle():
+                self._arm_head()
+            elif cycle is not None and cycle.more_body and not self.in_head and not cycle.response_complete:
+                self._arm_body()  # a body under way: it has a deadline too
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -412,7 +431,7 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.surfaced = True
         self.in_head = False
-        if self.timer_is_head:
+        if self.timer_kind is _HEAD:
             self._disarm()
         parser = self.parser
         version = parser.get_http_version()
@@ -461,6 +480,8 @@ class Connection(asyncio.Protocol):
         if cycle is not None and not cycle.response_complete:
             cycle.more_body = False
             cycle.wake()
+        if self.timer_kind is _BODY:
+            self._disarm()
         # The body is whole: read on, bounded as what follows arrives (a pipelined head by its
         # size, its body by HIGH_WATER, their number by MAX_PIPELINED), so that a client that
         # leaves now is seen at once, not when its answer is written (a body's last read over
@@ -493,7 +514,7 @@ class Connection(asyncio.Protocol):
         else:
             self._disarm()
             self.timer = self.loop.call_later(self.config.timeout_keep_alive, self._idle_timed_out)
-            self.timer_is_head = False
+            self.timer_kind = _IDLE
 
     def close_answered(self) -> None:
         """The end of a connection whose last answer is complete. Where reading stopped at
@@ -568,6 +589,7 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         self.read_state = _READING
         self.timer = self.loop.call_later(LINGER_S, self._idle_timed_out)
+        self.timer_kind = _IDLE
 
     def _upgrade(self) -> None:
         """A request asking to switch protocols: served as HTTP (nothing here speaks
@@ -581,20 +603,43 @@ class Connection(asyncio.Protocol):
     def _arm_head(self) -> None:
         self._disarm()
         self.timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
-        self.timer_is_head = True
+        self.timer_kind = _HEAD
+
+    def _arm_body(self) -> None:
+        self._disarm()
+        self.body_deadline = self.loop.time() + self.body_timeout
+        self.timer = self.loop.call_at(self.body_deadline, self._body_timed_out)
+        self.timer_kind = _BODY
 
     def _disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.timer_is_head = False
+        self.timer_kind = None
 
     def _head_timed_out(self) -> None:
         self.timer = None
-        self.timer_is_head = False
+        self.timer_kind = None
         if not self.transport.is_closing():
             log.debug("closing a client connection whose request head took over %g s", self.header_timeout)
             self._refuse(_408)
+
+    def _body_timed_out(self) -> None:
+        """The body's deadline (moved on by every read) passed: 408, unless this connection
+        itself stopped reading (the app has not taken what came: its delay, not the client's)."""
+        self.timer = None
+        self.timer_kind = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self.read_state is not _READING:
+            self.body_deadline = now + self.body_timeout
+        if now < self.body_deadline:
+            self.timer = self.loop.call_at(self.body_deadline, self._body_timed_out)
+            self.timer_kind = _BODY
+            return
+        log.debug("closing a client connection whose request body took too long")
+        self._refuse(_408_BODY)
 
     def _idle_timed_out(self) -> None:
         self.timer = None
@@ -609,7 +654,8 @@ def _address(addr: Any) -> tuple | None:
     return None
 
 
-def protocol_class(header_timeout: float, max_header_bytes: int, access_log: bool) -> type:
+def protocol_class(header_timeout: float, max_header_bytes: int, access_log: bool, body_timeout: float = 30.0) -> type:
     return type("PrefillGateHttp", (Connection,), {"__slots__": (), "header_timeout": header_timeout,
+                                                     "body_timeout": body_timeout,
                                                      "max_header_bytes": max_header_bytes,
                                                      "access_log": access_log})

@@ -70,7 +70,8 @@ def server_config(app: Any, settings: Settings, **kwargs: Any) -> uvicorn.Config
     kwargs.setdefault("access_log", level.lower() in ("trace", "debug", "info") if isinstance(level, str)
                       else level <= logging.INFO)
     kwargs.setdefault("proxy_headers", kwargs["access_log"])
-    http = protocol_class(settings.client_header_timeout, settings.max_header_bytes, kwargs["access_log"])
+    http = protocol_class(settings.client_header_timeout, settings.max_header_bytes, kwargs["access_log"],
+                          settings.client_body_timeout)
     return uvicorn.Config(app, http=http,
                           limit_concurrency=settings.max_client_connections,
                           timeout_keep_alive=settings.client_idle_timeout, **kwargs)

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from .disconnect import DisconnectWatch
 from .errors import (
+    AnswerCut,
     ProxyError,
     ShuttingDown,
     UpstreamProtocolError,
@@ -273,6 +274,11 @@ class Exchange(Response):
     or an in-stream error event and a clean end after it.
     """
 
+    # After its answer began, an error ends it: with an in-stream error event (an SSE stream,
+    # which the client parses), or by a cut (any other body: an event there would look like
+    # the body's own last bytes).
+    cut_on_error = False
+
     def __init__(self, registry: set | None = None, deadline: float | None = None) -> None:
         # (Response.__init__ is not called)
         self.background = None
@@ -330,6 +336,8 @@ class Exchange(Response):
                 except ProxyError as exc:
                     self.outcome.error = _untraced(exc)
                     self.outcome.kind = exc.outcome
+                    if self.started and self.cut_on_error:
+                        raise AnswerCut(exc.message) from None
                     await self._send_error(send, exc)
                 except OSError:  # the socket went away under a send
                     self.outcome.kind = OutcomeKind.CLIENT_DISCONNECT

@@ -29,9 +29,11 @@ _CLOSED_STREAM = httpx.ByteStream(b"")
 # What ``UpstreamClient.stream`` enters with: the fast transport's Answer for the gated POSTs,
 # httpx's response for the rest (and for tests' in-memory transports).
 Answered = httpx.Response | Answer
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx or the server recompute.
-_DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
-                 "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding"}
+# Hop-by-hop headers (RFC 9110 7.6.1; and what a request's own ``Connection`` names), the ones
+# httpx or the server recompute, and the ones the proxy's listener answers itself (``Expect``).
+_DROP_REQUEST = frozenset({"host", "content-length", "connection", "keep-alive", "proxy-authorization",
+                           "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "http2-settings",
+                           "expect", "accept-encoding"})
 _DROP_RESPONSE = {b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
                   b"proxy-authenticate", b"date", b"server"}
 
@@ -59,8 +61,12 @@ def request_headers(headers: Mapping[str, str], api_key: str | None, drop_client
     """The headers to send upstream. Values go out as the bytes they arrived as (the ASGI
     server decoded them as latin-1), so a header byte over 0x7F passes through unchanged
     instead of failing an ASCII encoder."""
+    drop = _DROP_REQUEST
+    named = headers.get("connection")  # (the ASGI server's names are lower case)
+    if named:  # e.g. "close, X-Secret": each name it lists is for this hop alone
+        drop = drop | {t.strip().lower() for t in named.split(",")}
     out = {k: v if v.isascii() else v.encode("latin-1", "replace") for k, v in headers.items()
-           if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-prefill-gate-")}
+           if k.lower() not in drop and not k.lower().startswith("x-prefill-gate-")}
     out["accept-encoding"] = "identity"  # we parse the stream; vLLM does not compress anyway
     if api_key is not None or drop_client_auth:  # the client's key is for the proxy, never for upstream
         out = {k: v for k, v in out.items() if k.lower() != "authorization"}
