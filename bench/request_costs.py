@@ -5,7 +5,7 @@
 
 A request's setup costs the proxy far more on its loop, between other streams' reads, than
 the same calls cost in a loop of their own: the CPU's caches hold other work each time
-(docs/RESULTS.md 3m). A profiler's overhead hides that; this times it where it happens. The
+(the old docs/RESULTS.md (in git history) 3m). A profiler's overhead hides that; this times it where it happens. The
 proxy (this checkout, defaults) runs alone on the last CPU in front of the stamping upstream,
 with the synchronous per-request functions in ``TIMED`` (the proxy's, its HTTP protocol's included) each
 wrapped in a timer; streams go through it as in bench/relay_router.py (a new connection a

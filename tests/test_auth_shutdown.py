@@ -23,7 +23,9 @@ def keys_file(tmp_path, *keys, extra=""):
     return str(path)
 
 
-async def test_keys_gate_every_path_but_health(tmp_path):
+async def test_keys_gate_every_path_but_health_and_ready(tmp_path):
+    """The code, README and docs/RELIABILITY.md agree: /health and /ready are open (probes),
+    everything else, /metrics included, needs a key."""
     fake = FakeVLLM()
     async with proxy_client(fake, api_keys_file=keys_file(tmp_path, "k-alice", "k-bob")) as (c, state):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -36,6 +38,7 @@ async def test_keys_gate_every_path_but_health(tmp_path):
         assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
         assert not fake.requests  # nothing unauthenticated reached the upstream
         assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/ready")).status_code in (200, 503)  # open, as /health (probes carry no key)
         assert (await c.get("/metrics")).status_code == 401  # its counters are an oracle for others' prompts
         assert (await c.get("/metrics", headers={"authorization": "Bearer k-bob"})).status_code == 200
         for key in ("k-alice", "k-bob"):

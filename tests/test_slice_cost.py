@@ -11,7 +11,7 @@ import pytest
 
 from prefill_gate.proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, fit_cost
 
-# A cost of the H200's shape (section 11 of docs/RESULTS.md: 8,192 tokens at an empty
+# A cost of the H200's shape (section 11 of the old docs/RESULTS.md, in git history: 8,192 tokens at an empty
 # prefix ~52 ms, 1,024 after 28k ~38 ms): 6 ms a step, 1.4 us a token, 1.03 ns a token of
 # context.
 A, B, C = 0.006, 1.4e-6, 1.03e-9

@@ -32,7 +32,7 @@
 #                so that long prompts often arrive with nothing protected live
 #   pair-auto    the seed pair through prefill-gate --slicing auto (what the rule chose)
 #   pair-headline  the seed pair, RUNS=3, direct and through prefill-gate's defaults (the
-#                README's headline; RESULTS section 1 ran it on servers of its own)
+#                README's headline; the first H200 run ran it on servers of its own)
 #   errors       how the stock server refuses bad requests (vllm_errors.py; the simulator's fixtures)
 #   kernels      the GPU kernel tests (pytest -m gpu, TRITON_INTERPRET=0)
 # Each row: `bench mixed` with the same seed (the same schedule), DURATION s of steady load

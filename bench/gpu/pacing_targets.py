@@ -4,7 +4,7 @@
 
 Reads the committed `bench overlap` JSON of each batch (bench/results/pacing/batch-*/
 paced*-adaptive-<target>*.json) and prints, per configuration, the ratio of every run's
-p99 and maximum gap to the target: the figures docs/RESULTS.md section 5d cites.
+p99 and maximum gap to the target: the figures the old docs/RESULTS.md (in git history) section 5d cites.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # The starvation baseline vs prefill-gate on real vLLM 0.26.0, side by side in one run.
 #
 # On the GPU machine, from the repo root, after the recipe's chunk-only first run
-# (docs/RESULTS.md and bench/gpu/README.md say how):
+# (bench/gpu/README.md says how):
 #   source .gpu/device_setup.sh setup && bash bench/gpu/run_h200.sh "$OUT"
 # Here, without a GPU, the same script against the simulator (same flag names):
 #   DRY_RUN=1 bash bench/gpu/run_h200.sh out/h200-dry

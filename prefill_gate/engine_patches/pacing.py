@@ -233,7 +233,7 @@ class _PacingMixin:
                 "prefill-gate adaptive pacing with piecewise CUDA graphs for mixed steps: their "
                 "attention runs outside the graphs and their time follows the host CPU, which the "
                 "target may not survive; start vLLM with --compilation-config "
-                "'{\"cudagraph_mode\":\"FULL\"}' (docs/RESULTS.md, section 5b)"
+                "'{\"cudagraph_mode\":\"FULL\"}' (docs/engine-patches.md)"
             )
         logger.info(
             "prefill-gate %s%s%s%s%s",

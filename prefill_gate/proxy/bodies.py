@@ -4,7 +4,7 @@ Everything ``prepare`` needs of a chat or completions body (its bounds checked, 
 shape, the prefix hashes, the bytes to send upstream) is one pure function, ``read``. The
 event loop relays every live stream, and each of them waits while it parses: a megabyte of
 agent context held every stream about 20 ms on the H200 host, a body of 150,000 JSON
-containers (under the 200,000 bound) half a second (``bench/big_bodies.py``, docs/RESULTS.md
+containers (under the 200,000 bound) half a second (``bench/big_bodies.py``, docs/results/proxy-cost.md
 3f). A thread would not help: json.loads holds the GIL from start to end. So ``BodyReader``
 reads a body of ``offload_body_bytes`` or more in a worker process, and the loop pays for a
 copy of the bytes each way. What comes back is never the parsed body (unpickling it would

@@ -49,19 +49,23 @@ class Capabilities:
 def choose_mode(caps: Capabilities, slicing: str, paced_admission: str) -> tuple[UpstreamMode, str]:
     """What the gate does on an upstream with these capabilities, and why (for the log):
     ``slicing`` and ``paced_admission`` are the settings of those names."""
+    why = []
     if caps.paces:
         if paced_admission == "admit":
             return UpstreamMode.PACED, (f"its engine paces its own steps ({caps.engine.describe()}): large "
                                         "prefills go to it at once, as many as max_large_in_flight")
-        why = "its engine paces its own steps, but paced_admission is gate"
-    else:
-        why = ""
+        why.append("its engine paces its own steps, but paced_admission is gate")
     if slicing == "off":
-        return UpstreamMode.HELD, (why + "; " if why else "") + "slicing is off"
-    if caps.can_slice:
-        return UpstreamMode.SLICED, ((why + "; " if why else "") + f"it caches prefixes and answers /tokenize "
-                                     f"(KV blocks of {caps.block_size} tokens): slicing {slicing}")
-    return UpstreamMode.HELD, (why + "; " if why else "") + f"it cannot be sliced: {caps.why_not()}"
+        mode = UpstreamMode.HELD
+        why.append("slicing is off")
+    elif caps.can_slice:
+        mode = UpstreamMode.SLICED
+        why.append(f"it caches prefixes and answers /tokenize (KV blocks of {caps.block_size} tokens): "
+                   f"slicing {slicing}")
+    else:
+        mode = UpstreamMode.HELD
+        why.append(f"it cannot be sliced: {caps.why_not()}")
+    return mode, "; ".join(why)
 
 
 def parse_cache_config(metrics: bytes) -> tuple[int | None, bool]:

@@ -15,26 +15,31 @@ import sys
 import typing
 
 from . import collector
-from .settings import Settings, SettingsError, load_settings
+from .settings import GROUPS, Settings, SettingsError, load_settings
 
 log = logging.getLogger("prefill_gate")
 
 
 # ------------------------------------------------------------------------ serve
 def _add_settings_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per setting, generated from the model so that none is forgotten."""
+    """One flag per setting, generated from the model so that none is forgotten, in the
+    groups of ``settings.GROUPS`` (docs/configuration.md lists them alike)."""
     p.add_argument("--config", help="YAML file with settings (flags > PREFILL_GATE_* env > file > defaults)")
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_ = field.description
-        if name == "upstreams":
-            p.add_argument("--upstream", dest="upstreams", action="append", metavar="URL", help=help_)
-        elif field.annotation is bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-            p.add_argument(flag, dest=name, default=None, metavar=name.upper() if choices is None else None,
-                           choices=choices, help=f"{help_} (default: {field.default})")
+    for title, (blurb, names) in GROUPS.items():
+        group = p.add_argument_group(title.lower(), blurb)
+        for name in names:
+            field = Settings.model_fields[name]
+            flag = "--" + name.replace("_", "-")
+            help_ = field.description
+            if name == "upstreams":
+                group.add_argument("--upstream", dest="upstreams", action="append", metavar="URL", help=help_)
+            elif field.annotation is bool:
+                group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            else:
+                choices = (typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal
+                           else None)
+                group.add_argument(flag, dest=name, default=None, metavar=name.upper() if choices is None else None,
+                                   choices=choices, help=f"{help_} (default: {field.default})")
 
 
 class CliError(Exception):
@@ -100,7 +105,7 @@ async def _serve(settings: Settings) -> None:
     # What exists now (modules, settings, the app) lives as long as the process: out of the
     # cycle collector's sight, a full collection scans only what requests made. With 512
     # streams, full collections over the startup heap stalled every stream 36-106 ms
-    # (bench/relay_router.py; docs/RESULTS.md section 3). And full collections run only
+    # (bench/relay_router.py; the old docs/RESULTS.md (in git history) section 3). And full collections run only
     # while no request is in progress (at most every 10 s), or every few minutes under load
     # that never pauses (prefill_gate/proxy/collector.py).
     stop_collector = collector.manage(lambda: bool(state.exchanges))

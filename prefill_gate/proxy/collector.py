@@ -3,7 +3,7 @@
 CPython starts a full collection by itself once enough objects have survived the two
 younger generations. With hundreds of live streams that happens every few seconds, and each
 one stops the event loop for as long as scanning every object the requests hold takes:
-tens of milliseconds at 512 streams, every stream's chunk held that long (docs/RESULTS.md,
+tens of milliseconds at 512 streams, every stream's chunk held that long (the old docs/RESULTS.md in git history,
 section 3d). The proxy makes almost no cyclic garbage (a request leaves no reference cycle
 however it ends, nor does an upstream connection: tests/test_relay.py, tests/test_fasthttp.py),
 so full collections have almost nothing to free. ``defer_full_collections`` turns the
@@ -19,7 +19,7 @@ other young collection (at most two young generations' worth), and what survives
 to the oldest generation, where the deferred full collections find it: the same 512 streams
 saw 44-45 middle collections a turn, 41-45 of them under 1 ms, and less time in the
 collector in all; on the H200 host the streams' delay p99.9 went from 1.2-3.2 to 0.8-1.6 ms
-(docs/RESULTS.md 3h).
+(the old docs/RESULTS.md (in git history) 3h).
 
 The young generation, in smaller steps too: a young collection scans what was allocated and
 still lives since the last one, so its pause grows with the threshold, and every chunk that
@@ -29,7 +29,7 @@ is scanned once young, once in the middle), only how the work is cut: with ``YOU
 each (on the H200 host at 512 streams: young 27-39 us on average against 113-175, middle 44-63
 against 206-344); each collection's fixed cost adds ~10 ms a turn there (24-34 ms in the
 collector against 14-24), and CPU per chunk was 0.2-4.3% higher (medians of three runs;
-docs/RESULTS.md 3i).
+the old docs/RESULTS.md (in git history) 3i).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ promise (``PROMISE_BROKEN`` of the last ``PROMISE_WINDOWS``) disqualify slicing 
 the wait bound ends with the prompt prefilled whole beside the streams, every chunk step
 back to back, where the smallest slices stall them one step at a time with decodes between
 (on the H200's align-mode hybrid, one 1,568-token block either way: worst gaps 173 ms sliced,
-262-302 ms whole; docs/RESULTS.md section 14b). With
+262-302 ms whole; the old docs/RESULTS.md (in git history) section 14b). With
 ``slice_when_idle``, slice also when nothing protected is live (holding would admit the
 prompt at once, whole, and stall the first tokens of requests arriving meanwhile).
 """
@@ -38,7 +38,7 @@ from typing import Callable
 
 from .slicer import SliceSizer
 
-# Priors, from the H200 measurements (docs/RESULTS.md): a decode gap, what slicing and a
+# Priors, from the H200 measurements (the old docs/RESULTS.md, in git history): a decode gap, what slicing and a
 # whole prefill reach in prompt tokens per second; measured values replace them.
 PRIOR_GAP_S = 0.01
 PRIOR_SLICE_TOKENS_PER_S = 12_000.0

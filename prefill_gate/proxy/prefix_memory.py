@@ -40,7 +40,7 @@ def prefix_hashes(messages: list, salt: str | None = None) -> list[bytes]:
     The hash is BLAKE2b-128, CPython's own: OpenSSL's SHA-256 (hashlib.sha256) looks its
     digest up through its providers on each construction, which on the proxy's loop (the
     CPU's caches full of other requests' work) made this function cost 15 us a one-message
-    request against 8.5-9 now (docs/RESULTS.md 3m)."""
+    request against 8.5-9 now (the old docs/RESULTS.md (in git history) 3m)."""
     out = []
     blake2b = hashlib.blake2b
     h = b"" if salt is None else blake2b(b"cache_salt\0" + salt.encode(errors="surrogatepass"), digest_size=16).digest()

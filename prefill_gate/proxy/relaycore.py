@@ -13,7 +13,7 @@ without the HTTP parser. The read's token gaps go to the exchange's hook, which 
 compiled core is compiled too (``_relaycore.GapTally`` over the histogram children of
 ``prefill_gate.proxy.metrics``, ``_relaycore.Histogram``; ``gap_tally_type``): a read of plain content
 takes no Python frame of its own then. What that saves a read and a chunk is measured in
-``docs/RESULTS.md`` 3l and 3m (``bench/relay_read.py``, ``bench/relay_router.py
+``docs/results/proxy-cost.md`` (history: the old RESULTS 3l and 3m) (``bench/relay_read.py``, ``bench/relay_router.py
 --python-core``). The two behave alike to the byte (``tests/test_relaycore.py``,
 ``tests/test_fasthttp.py``).
 

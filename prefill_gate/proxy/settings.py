@@ -166,7 +166,7 @@ class Settings(BaseModel):
     relay_core: Literal["auto", "compiled", "python"] = Field(
         "auto",
         description="The relay's per-read path (prefill_gate/proxy/relaycore.py): compiled (prefill_gate/proxy/_relaycore.c, built by "
-        "pip install where a C compiler is at hand; less CPU a relayed chunk, docs/RESULTS.md 3l) or "
+        "pip install where a C compiler is at hand; less CPU a relayed chunk, docs/results/proxy-cost.md) or "
         "Python's, which behaves alike. auto: compiled where built; compiled: refuse to start without it.",
     )
     max_json_depth: int = Field(
@@ -216,6 +216,11 @@ class Settings(BaseModel):
         10.0, gt=0,
         description="Seconds a client has to send a request's headers, from connecting or from its "
         "previous answer (408 and the connection closed after; slow-header clients).",
+    )
+    client_body_timeout: float = Field(
+        30.0, gt=0,
+        description="Seconds a client has to send a request's body after its headers, one more second for "
+        "each 64 KiB that arrives (408 and the connection closed after; slow-body clients).",
     )
     api_keys_file: str | None = Field(
         None, description="File of client API key hashes (sha256:<hex> per line; prefill-gate hash-key "
@@ -273,6 +278,44 @@ class Settings(BaseModel):
         if len(set(out)) != len(out):
             raise ValueError("the same upstream is listed twice")
         return out
+
+
+# Every setting by the task it serves: ``serve --help`` and docs/configuration.md list them so.
+# {title: (what the group is for, its settings)}; a test checks each setting is in exactly one.
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Essentials": (
+        "What a deployment sets: where vLLM is, where clients reach the proxy, what a long prompt "
+        "is, what to do with one, and who may ask.",
+        ("upstreams", "host", "port", "large_prefill_tokens", "slicing", "api_keys_file")),
+    "Admission": (
+        "Who waits, for how long, in what order; and what an engine that paces its own steps gets.",
+        ("max_queue_wait", "on_queue_timeout", "max_queue", "max_queued_bytes", "max_large_in_flight",
+         "max_decodes_for_large", "paced_admission", "class_header", "protect_non_streaming", "sse_keepalive")),
+    "Slicing": (
+        "In front of vLLM's own scheduling: how a long prompt is sliced into its prefix cache.",
+        ("max_gap_ms", "slice_gap_ms", "slice_settle_ms", "slice_when_idle", "slice_inflight",
+         "min_slice_tokens", "max_slice_tokens")),
+    "Closed loop": (
+        "Admission next to live streams by their measured gaps (an engine that paces its steps).",
+        ("itl_slo_ms", "closed_loop_start_tokens", "closed_loop_step_tokens")),
+    "Estimation": (
+        "How a prompt's uncached tokens are counted.",
+        ("bytes_per_token", "exact_count_band", "tokenizer_json", "tiktoken_encoding", "upstream_tokenize",
+         "prefix_memory_entries")),
+    "Limits and auth": (
+        "What one client's request or one upstream answer may cost, and the key sent upstream.",
+        ("upstream_api_key", "max_body_bytes", "max_header_bytes", "max_messages", "max_json_containers",
+         "max_json_depth", "offload_body_bytes", "body_workers", "max_upstream_body_bytes",
+         "max_upstream_event_bytes", "max_upstream_head_bytes", "max_upstream_headers", "max_connections",
+         "max_client_connections")),
+    "Timeouts": (
+        "Every wait has a bound.",
+        ("connect_timeout", "read_timeout", "max_request_seconds", "client_header_timeout", "client_body_timeout",
+         "client_idle_timeout", "health_interval", "shutdown_grace")),
+    "Observability and runtime": (
+        "Metrics, logs, the relay's compiled core, and the simulator.",
+        ("metrics_port", "metrics_host", "log_level", "relay_core", "sim_preset")),
+}
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:

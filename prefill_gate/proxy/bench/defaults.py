@@ -189,7 +189,7 @@ class Runner:
             self.say(f"{row}: {part} -> {url}")
             if part == "pair":
                 result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
-                result.pop("raw", None)
+                result["raw"] = result["raw"][:1]  # the first run's tokens: its timeline, for the plot
             else:
                 shape = p.steady if part == "steady" else p.sparse
                 result = asyncio.run(measure_endpoint(url, row, shape, SLO(), p.seed, self.model, p.time_scale,
@@ -248,7 +248,8 @@ def add_arguments(p) -> None:
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every proxy started (e.g. --proxy-arg=--relay-core=python)")
     p.add_argument("--json", help="write the merged result and the checks here")
-    p.add_argument("--plot", help="steady load's CDFs per row (PNG)")
+    p.add_argument("--plot", help="steady load's CDFs per row (PNG); beside it, -pair.png: the seed pair's "
+                                  "timeline per row")
     p.add_argument("--budget", type=float, default=0.0, metavar="S",
                    help="start no part after S seconds (a part runs to its end; 0: no limit); what is left "
                         "runs on the next call")
@@ -288,4 +289,11 @@ def main(args) -> int:
         steady = [row for row in ROWS if "steady" in results.get(row, {})]
         plot_mixed({"endpoints": [{"label": row, "runs": [results[row]["steady"]]} for row in steady],
                     "shape": results[steady[0]]["steady"]["shape"]}, args.plot)
+    pairs = [row for row in ROWS if results.get(row, {}).get("pair", {}).get("raw")]
+    if args.plot and pairs:  # the seed pair's first run per row: B's gaps over time, A's life shaded
+        from .report import plot_overlap
+
+        plot_overlap([{**results[row]["pair"], "config": row} for row in pairs],
+                     str(Path(args.plot).with_name(Path(args.plot).stem + "-pair.png")),
+                     title="one stream (B) and a long prompt (A), per row")
     return 0

@@ -33,13 +33,13 @@ def _add(p: Preset) -> None:
 # attention 1.4e-9 s per token and context position); the 8192-token chunks took
 # ~165, 270, 350 and 205 ms; B keeps decoding for ~24 ms after A is sent (the front
 # end's work on 28.6k characters), then A's arrival stalls the engine ~50 ms. Known gap: small mixed steps (--long-prefill-token-
-# threshold 512) cost 25-55 ms on the GPU against ~23 ms here (docs/RESULTS.md). A prompt sent as
+# threshold 512) cost 25-55 ms on the GPU against ~23 ms here (the old docs/RESULTS.md, in git history). A prompt sent as
 # token ids (a slice): its front end 6.8e-7 s and its engine stall 1.1e-7 s per id, fitted by
 # bench/sim_fit.py --slice-floor from bench/results/slicing/slice-floor-h200.json (fully cached
 # id prompts of 1k-28.6k ids while B streams; bench/results/sim/fit-h200.json). Checked on the
 # sliced seed pairs held out of that fit (bench/sim_slice_check.py): sliced prompts take 1.8-2.3x
 # longer here than on the H200 with these costs or the hand-set ones before them, so the per-id
-# costs are not what that gap is made of (docs/RESULTS.md section 2).
+# costs are not what that gap is made of (the old docs/RESULTS.md (in git history) section 2).
 _add(Preset(
     name="h200-qwen3-8b",
     cost=CostModel(base=4.65e-3, mixed=2.0e-3, per_decode_row=2.0e-5, per_prefill_token=1.3e-5,
