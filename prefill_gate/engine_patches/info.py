@@ -62,7 +62,11 @@ class EngineInfoLogger(_vllm.AggregateStatLoggerBase):
     """The plugin vLLM builds: publishes the engine's info, records nothing."""
 
     def __init__(self, vllm_config, engine_indexes=None) -> None:
-        self.info = engine_info(vllm_config)
+        try:
+            self.info = engine_info(vllm_config)
+        except Exception as exc:  # never the reason vLLM does not start: say "not paced" instead
+            logger.warning("prefill-gate engine info: %s; publishing pacing off", exc)
+            self.info = EngineInfo(pacing="off", version=__version__)
         publish(self.info)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:

@@ -134,3 +134,20 @@ def test_the_engine_info_follows_the_control_file(tiny_model, monkeypatch, tmp_p
     assert engine_info(config, env).pacing == "cap"
     control.write_text("PREFILL_GATE_PACING=sometimes\n")  # a bad file is ignored, as the scheduler does
     assert engine_info(config, env).pacing == "adaptive"
+
+
+def test_the_engine_info_plugin_never_stops_vllm(tiny_model, monkeypatch, caplog):
+    """A scheduler class it cannot resolve (or a pacing setting it cannot read) publishes
+    "not paced" with a warning: the proxy then treats the engine as stock."""
+    from prometheus_client import REGISTRY
+
+    from prefill_gate.engine_patches.info import EngineInfoLogger
+    from tests.engine.harness import vllm_config
+
+    config = vllm_config(tiny_model)
+    config.scheduler_config.scheduler_cls = "no.such.module.Scheduler"
+    monkeypatch.setenv("PREFILL_GATE_PACING", "adaptive")
+    with caplog.at_level(logging.WARNING):
+        logger = EngineInfoLogger(config, [0])
+    assert logger.info.pacing == "off" and "publishing pacing off" in caplog.text
+    assert REGISTRY.get_sample_value("prefill_gate_engine_info", logger.info.labels()) == 1
