@@ -1,6 +1,6 @@
 """prefill-gate: keep streaming answers smooth on vLLM while long prompts prefill.
 
-Commands: serve (the proxy), sim (the engine simulator), bench (overlap, mixed,
+Commands: serve (the proxy), sim (the engine simulator), bench (overlap, mixed, defaults,
 mixed-report, agent, overhead), demo (simulator and proxy side by side), hash-key.
 """
 
