@@ -510,6 +510,17 @@ class _Socket:
         self.closed = True
 
 
+def _between_chunks(loop, first: bytes):
+    """A framed connection whose answer is under way, its first chunk taken: the next read
+    starts at a chunk (where the compiled read step offers whole chunks to the sink)."""
+    conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
+    conn.connection_made(_Socket())
+    conn._loop, conn._wait_timeout = loop, 600.0
+    conn.data_received(HEAD_SSE + chunk(first))
+    conn.take()
+    return conn
+
+
 def _relay_through(cls, core, reads: list[bytes], answers: list[bool], framed: bool):
     """Feed ``reads`` to a connection of class ``cls`` whose answer is under way, a sink
     installed as the relay installs it; between reads, a woken reader takes what is queued
@@ -675,11 +686,7 @@ async def test_a_framed_connection_keeps_no_references_and_goes_at_a_collection(
 
     core = compiled_core()
     loop = asyncio.get_running_loop()
-    conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
-    conn.connection_made(_Socket())
-    conn._loop, conn._wait_timeout = loop, 600.0
-    conn.data_received(HEAD_SSE + chunk(b"first"))
-    conn.take()
+    conn = _between_chunks(loop, b"first")
     conn._timer = timer = loop.call_at(loop.time() + 600, lambda: None)
     conn.waiter = waiter = loop.create_future()
     payload = b"x" * 40
@@ -840,11 +847,7 @@ async def test_a_sink_that_drops_the_connections_hold_on_it_mid_call_is_safe():
             return self.answer
 
     for answer in (True, b"left for the reader", None):
-        conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
-        conn.connection_made(_Socket())
-        conn._loop, conn._wait_timeout = loop, 600.0
-        conn.data_received(HEAD_SSE + chunk(b"first"))
-        conn.take()
+        conn = _between_chunks(loop, b"first")
         sink = Dropping(conn, answer)
         conn.sink, conn.sink_chunked = (lambda data: True), sink.chunked
         del sink
@@ -866,11 +869,7 @@ async def test_a_relay_whose_own_callback_drops_it_mid_read_is_not_freed_under_i
 
     core = compiled_core()
     loop = asyncio.get_running_loop()
-    conn = fasthttp.FramedConnection(("http", "upstream.invalid", 80))
-    conn.connection_made(_Socket())
-    conn._loop, conn._wait_timeout = loop, 600.0
-    conn.data_received(HEAD_SSE + chunk(b"data: {}\n\n"))
-    conn.take()
+    conn = _between_chunks(loop, b"data: {}\n\n")
     written = []
     flow = types.SimpleNamespace(write_paused=False)
     cycle = types.SimpleNamespace(flow=flow, transport=types.SimpleNamespace(write=written.append),
