@@ -46,16 +46,17 @@ class Routing:
         logged once per change, exported as ``upstream_mode``."""
         settings = self.settings
         mode, why = choose_mode(caps, settings.slicing, settings.paced_admission)
-        if self.modes.get(upstream) is not mode:
-            log.info("upstream %s: large prefills are %s while streams decode there: %s", upstream, mode.value, why)
-            for m in UpstreamMode:
-                self.metrics.upstream_mode.labels(upstream, m).set(1 if m is mode else 0)
-        self.modes[upstream] = mode
         self.caps[upstream] = caps
+        self.metrics.can_slice.labels(upstream).set(1 if caps.can_slice else 0)
+        if self.modes.get(upstream) is mode:
+            return
+        log.info("upstream %s: large prefills are %s while streams decode there: %s", upstream, mode.value, why)
+        for m in UpstreamMode:
+            self.metrics.upstream_mode.labels(upstream, m).set(1 if m is mode else 0)
+        self.modes[upstream] = mode
         up = self.policy.upstreams[upstream]
         up.can_slice = mode is UpstreamMode.SLICED
         up.paced = mode is UpstreamMode.PACED
-        self.metrics.can_slice.labels(upstream).set(1 if caps.can_slice else 0)
         self.gate.set_health(upstream, up.healthy)  # a held prompt may go (or slice) now
 
     def passing(self) -> list[str]:
