@@ -9,10 +9,11 @@
 # Here, against two simulators (the paced one paces like the patches' cap mode):
 #   DRY_RUN=1 bash bench/gpu/defaults_h200.sh out/defaults-sim
 #
-# Two vLLM servers, started once with setsid (they outlive the call):
+# Two vLLM servers, started once with setsid (they outlive the call; stock only where ROWS uses it):
 #   stock  --max-num-batched-tokens 8192 --enable-prompt-tokens-details
 #   paced  the same + the engine patches as docker compose starts them: PacedAsyncScheduler,
 #          PREFILL_GATE_PACING=adaptive, 15 ms target, short prompts first, full CUDA graphs
+#          (captured up to the step budget: engine_patches.graphs' default with that scheduler)
 # Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
 # call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
@@ -45,26 +46,36 @@ fi
 
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 
-if up $STOCK && up $PACED; then
-  say "servers already up"
+# The stock server only for the rows that use it (ROWS=stack needs the paced one alone).
+SERVERS=paced
+case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
+port_of() { [ "$1" = stock ] && echo $STOCK || echo $PACED; }
+missing=""
+for name in $SERVERS; do up "$(port_of $name)" || missing="$missing $name"; done
+if [ -z "$missing" ]; then
+  say "servers already up:$SERVERS"
 else
   gpu_info
-  if [ "${DRY_RUN:-0}" = 1 ]; then
-    start_server stock $STOCK
-    start_server paced $PACED --pacing-cap 256
-  else
-    start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
-    sleep 12  # the second start's memory profiling after the first's
-    PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 PREFILL_GATE_PACING_LOG_INTERVAL_S=10 \
-      start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
-      --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler \
-      --compilation-config '{"cudagraph_mode":"FULL"}'
-  fi
-  for name in stock paced; do
-    port=$STOCK; [ $name = paced ] && port=$PACED
+  for name in $missing; do
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+      if [ $name = stock ]; then start_server stock $STOCK; else start_server paced $PACED --pacing-cap 256; fi
+    elif [ $name = stock ]; then
+      start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+      sleep 12  # the second start's memory profiling after the first's
+    else
+      PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 PREFILL_GATE_PACING_LOG_INTERVAL_S=10 \
+        start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
+        --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler \
+        --compilation-config '{"cudagraph_mode":"FULL"}'
+    fi
+  done
+  for name in $missing; do
+    port=$(port_of $name)
     wait_health $port 420 "${PID_OF[$name]}" || { say "$name server did not come up"; tail -n 40 "$RES/server-$name.log"; exit 1; }
   done
   say "servers healthy"
+  grep -h "prefill-gate CUDA graphs\|Graph capturing finished\|graph pool" "$RES"/server-*.log > "$RES/graphs.txt" 2>/dev/null
+  cat "$RES/graphs.txt"
 fi
 # What the paced server publishes for the proxy (the engine patches' stat-logger plugin): the
 # stack row means nothing without it (bench defaults checks the proxy saw it, too).

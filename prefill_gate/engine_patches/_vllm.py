@@ -20,7 +20,7 @@ if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
         "without the patches"
     )
 
-from vllm.config import CUDAGraphMode
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import (
@@ -58,6 +58,7 @@ __all__ = [
     "TritonAttentionBackend",
     "TritonAttentionImpl",
     "TritonAttentionMetadataBuilder",
+    "VllmConfig",
     "decode_tokens",
     "fcfs_queue",
     "init_logger",

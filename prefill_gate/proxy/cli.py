@@ -269,6 +269,12 @@ def cmd_bench_defaults(args: argparse.Namespace) -> int:
     return defaults_main(args)
 
 
+def cmd_bench_short(args: argparse.Namespace) -> int:
+    from .bench.short import main as short_main
+
+    return short_main(args)
+
+
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     from .bench.agent import main as agent_main
 
@@ -383,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults_arguments(p)
     p.set_defaults(func=cmd_bench_defaults)
+
+    p = bench.add_parser("short", help="what one new short prompt costs the live streams (a hybrid model's "
+                                       "hard case)", formatter_class=defaults)
+    from .bench.short import add_arguments as short_arguments
+
+    short_arguments(p)
+    p.set_defaults(func=cmd_bench_short)
 
     p = bench.add_parser("agent", help="agent workloads: a growing conversation, two upstreams, a paced engine",
                          formatter_class=defaults)
