@@ -13,7 +13,8 @@
 #   stock  --max-num-batched-tokens 8192 --enable-prompt-tokens-details
 #   paced  the same + the engine patches as docker compose starts them: PacedAsyncScheduler,
 #          PREFILL_GATE_PACING=adaptive, 15 ms target, short prompts first, full CUDA graphs
-#          (captured up to the step budget: engine_patches.graphs' default with that scheduler)
+#          (vLLM's own capture sizes, up to 512 tokens: engine_patches.graphs adds none at
+#          --max-num-seqs 256; the stack row of run ee9ed4e had graphs up to 8192, see its README)
 # Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
 # call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 50, item 1: CUDA graphs up to the step budget (engine_patches.graphs) against vLLM's own
-# capture sizes, side by side on one H200, in calls that resume (servers outlive a call, results
+# Issue 50, item 1: CUDA graphs past vLLM's own capture sizes (engine_patches.graphs) against
+# vLLM's, side by side on one H200, in calls that resume (servers outlive a call, results
 # accumulate in WORK, a row already there is skipped, DEADLINE: no new row past it).
+# bench/results/graphs/h200/README.md holds what it measured (graphs.py's default follows it).
 #
-#   STAGE=dense-start  start :8001, the paced 8B server as the stack ran it before (graphs up to
-#                      vLLM's 512: PREFILL_GATE_GRAPH_STEPS=off), and return; defaults_h200.sh's
-#                      paced :8002 is the same with graphs up to 8192 (the default now)
+#   STAGE=dense-start  start :8001, the paced 8B server with full graphs up to 8,192 tokens
+#                      (PREFILL_GATE_GRAPH_STEPS=8192), and return; defaults_h200.sh's paced
+#                      :8002 is the stack's (vLLM's own sizes up to 512: auto adds none there)
 #   STAGE=dense        on both: the seed pair (PAIR_RUNS, 3); with DENSE_SHORT=1 also `bench short`
 #   STAGE=hybrid       the 8B servers stopped; the 27B hybrid (bench/gpu/hybrid_model.py) at the
 #                      report's budget (2,048, prefix caching, fp8 KV) twice: :8001 stock vLLM (graphs
-#                      up to 2 x --max-num-seqs = 128 tokens), :8002 the paced scheduler (graphs up to
-#                      2,048) with pacing off (vLLM's own scheduling: the graphs alone), then pacing
+#                      up to 2 x --max-num-seqs = 128 tokens), :8002 the paced scheduler with graphs
+#                      up to HYBRID_GRAPHS tokens (2048; auto's 512 captures the same sizes for
+#                      steps of up to 512 tokens) with pacing off (vLLM's own scheduling: the graphs alone), then pacing
 #                      adaptive 15 ms (the stack's setting); rows: `bench short` (4 streams, a
 #                      200-400-token prompt every ~1.2 s, SHORT_DURATION s) and the seed pair
 #
@@ -85,23 +87,25 @@ finish() {
 gpu_info
 case $STAGE in
   dense-start)
-    up 8001 || PREFILL_GATE_GRAPH_STEPS=off PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 \
-      start_server paced-512 8001 --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
+    up 8001 || PREFILL_GATE_GRAPH_STEPS=8192 PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 \
+      start_server paced-8192 8001 --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
       --scheduler-cls "$PACED_CLS" --compilation-config '{"cudagraph_mode":"FULL"}'
-    say "started :8001 (paced, graphs up to 512)"; exit 0 ;;
+    say "started :8001 (paced, graphs up to 8192)"; exit 0 ;;
   dense)
     wait_health 8001 420 || { say ":8001 is not up"; exit 1; }
     wait_health 8002 60 || { say ":8002 is not up (defaults_h200.sh starts it)"; exit 1; }
     grep -h "prefill-gate CUDA graphs\|Graph capturing finished" "$RES"/server-*.log /root/defaults/server-paced.log \
       > "$RES/graphs.txt" 2>/dev/null; cat "$RES/graphs.txt"
-    row pair paced-graphs-512 http://127.0.0.1:8001
-    row pair paced-graphs-8192 http://127.0.0.1:8002
+    row pair paced-graphs-512 http://127.0.0.1:8002
+    row pair paced-graphs-8192 http://127.0.0.1:8001
     if [ "${DENSE_SHORT:-0}" = 1 ]; then  # a 300-token prompt + decodes fits vLLM's own 512: little to see
-      row short paced-graphs-512 http://127.0.0.1:8001
-      row short paced-graphs-8192 http://127.0.0.1:8002
+      row short paced-graphs-512 http://127.0.0.1:8002
+      row short paced-graphs-8192 http://127.0.0.1:8001
     fi ;;
   hybrid)
-    if ! { up 8001 && up 8002 && curl -s http://127.0.0.1:8002/metrics | grep -q prefill_gate_engine_info; }; then
+    # up already only if both serve this stage's model (an earlier stage's 8B servers are stopped)
+    if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8001 " >/dev/null \
+           && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then
       stop_servers_on_ports
       COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
               --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching --max-num-batched-tokens 2048)
@@ -110,7 +114,7 @@ case $STAGE in
       start_server stock 8001 "${COMMON[@]}"
       sleep 15
       PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10 \
-        start_server graphs 8002 "${COMMON[@]}" --scheduler-cls "$PACED_CLS"
+        PREFILL_GATE_GRAPH_STEPS=${HYBRID_GRAPHS:-2048} start_server graphs 8002 "${COMMON[@]}" --scheduler-cls "$PACED_CLS"
       for s in stock:8001 graphs:8002; do
         wait_health "${s#*:}" 480 "${PID_OF[${s%:*}]}" || { say "${s%:*} did not come up"; tail -40 "$RES/server-${s%:*}.log"; exit 1; }
       done

@@ -1,16 +1,23 @@
-"""CUDA graphs for the steps pacing makes: capture sizes up to the step budget.
+"""CUDA graphs for the small mixed steps: capture sizes up to 512 tokens whatever --max-num-seqs.
 
-vLLM 0.26 captures CUDA graphs up to min(2 x --max-num-seqs, 512) tokens, so a step with
-more tokens than that (any step that carries a prefill chunk of a few hundred tokens next
-to the decodes) runs eagerly: every kernel launched from Python, one by one. On a host-bound
-model that is most of the step: on the 27B Gated DeltaNet hybrid (--max-num-seqs 64, largest
-graph 128 tokens) a 300-token prompt cost every stream a 131 ms step, 70 ms once graphs
-covered it (issue 50). Paced steps are exactly such steps, so the paced scheduler wants
-them captured.
+vLLM 0.26 captures CUDA graphs up to min(2 x --max-num-seqs, 512) tokens, so with a small
+--max-num-seqs a step that carries a short prompt next to the decodes runs eagerly: every
+kernel launched from Python, one by one. On a host-bound model that is most of the step.
+The 27B Gated DeltaNet hybrid at --max-num-seqs 64 captures up to 128 tokens, and a
+200-400-token prompt cost its streams a step of 115 ms at the median, 181 ms at worst; with
+graphs up to the step budget, 92 and 130 ms (bench/results/graphs/h200/, issue 50).
 
-    PREFILL_GATE_GRAPH_STEPS  auto  capture up to --max-num-batched-tokens when vLLM runs
-                                    the paced scheduler (--scheduler-cls prefill_gate...);
-                                    any other vLLM in this environment is left alone (auto)
+Only the small steps gain. The same runs measured what larger graphs cost: a long prompt alone
+took 9% longer on the hybrid (its 1,568-token align-mode chunks padded to the 1,792 graph, and
+a stream's worst gap beside it grew from 181 to 202 ms) and 13% longer on the 8B dense model
+with full graphs up to 8,192 tokens. Large steps are GPU-bound: launching them from a graph
+saves little, and the padding and the graphs' fixed attention setup cost compute. So the plugin fills in vLLM's own ceiling, 512 tokens,
+where --max-num-seqs set it lower, and goes past it only when told to:
+
+    PREFILL_GATE_GRAPH_STEPS  auto  sizes up to 512 tokens (at most --max-num-batched-tokens)
+                                    when vLLM runs the paced scheduler (--scheduler-cls
+                                    prefill_gate...); any other vLLM in this environment is
+                                    left alone (the default)
                               on    the same for any scheduler
                               off   vLLM's own sizes
                               N     up to N tokens (at most --max-num-batched-tokens), any scheduler
@@ -18,9 +25,8 @@ them captured.
 Sizes are added only when the user set neither `cudagraph_capture_sizes` nor
 `max_cudagraph_capture_size` (a choice of theirs wins) and graphs are on. Below vLLM's own
 largest size nothing changes; above it the sizes climb in LADDER_PER_OCTAVE steps per
-doubling, so vLLM pads a step by at most a quarter of its tokens (pacing's own steps are
-cut to a captured size and pay nothing), and the largest size is the limit itself. Each
-size costs start-up time and graph memory: `describe_sizes` says how many were added.
+doubling, so vLLM pads a step by less than a quarter of its tokens (pacing cuts its own
+steps to a captured size and pays nothing), and the largest size is the limit itself.
 
 The sizes go in through vLLM's own path: `VllmConfig._set_cudagraph_sizes` runs as usual,
 then runs again with the extended list as if the user had written it, so the filtering,
@@ -37,6 +43,9 @@ ENV = "PREFILL_GATE_GRAPH_STEPS"
 MODES = ("auto", "on", "off")
 # Sizes per doubling above vLLM's own largest capture size: a step is padded by < 1/4.
 LADDER_PER_OCTAVE = 4
+# auto and on: vLLM's own ceiling. Past it steps are GPU-bound and graphs cost more than they
+# save (the measurements above).
+AUTO_LIMIT = 512
 PACKAGE = "prefill_gate.engine_patches"
 
 
@@ -79,7 +88,7 @@ def covering_limit(mode: str | int, scheduler_cls: object, max_num_batched_token
         return None
     if isinstance(mode, int):
         return min(mode, max_num_batched_tokens)
-    return max_num_batched_tokens
+    return min(AUTO_LIMIT, max_num_batched_tokens)
 
 
 def extended_sizes(sizes: Sequence[int], limit: int) -> list[int]:

@@ -59,15 +59,22 @@ def test_vllm_without_the_plugin_stops_at_two_graphs_per_sequence(tmp_path, gpu_
     assert sizes(config(tmp_path)) == VLLM_DEFAULT_64  # the 27B hybrid: 128
 
 
-def test_the_paced_scheduler_gets_graphs_up_to_its_step_budget(tmp_path, gpu_like, caplog):
+def test_the_paced_scheduler_gets_graphs_up_to_vllms_own_ceiling(tmp_path, gpu_like):
     messages = []
     graphs.install(_vllm.VllmConfig, "auto", messages.append)
-    cfg = config(tmp_path, scheduler_cls=PACED)
+    cfg = config(tmp_path, scheduler_cls=PACED)  # the hybrid: 2048 budget, 64 sequences
     assert sizes(cfg)[:len(VLLM_DEFAULT_64)] == VLLM_DEFAULT_64
-    assert sizes(cfg)[len(VLLM_DEFAULT_64):] == graphs.ladder(128, 2048)
-    assert cfg.compilation_config.max_cudagraph_capture_size == 2048
-    assert messages == ["CUDA graphs up to 2048 tokens: 16 sizes added above vLLM's 128 "
+    assert sizes(cfg)[len(VLLM_DEFAULT_64):] == [160, 192, 224, 256, 320, 384, 448, 512]
+    assert cfg.compilation_config.max_cudagraph_capture_size == 512
+    assert messages == ["CUDA graphs up to 512 tokens: 8 sizes added above vLLM's 128 "
                         "(160, 192, 224, 256, 320, 384, ...)"]
+
+
+def test_where_vllm_already_reaches_512_auto_changes_nothing(tmp_path, gpu_like):
+    graphs.install(_vllm.VllmConfig, "auto", lambda _: None)
+    own = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # --max-num-seqs 256 (the 8B stack)
+    assert sizes(config(tmp_path, scheduler_cls=PACED, seqs=256, budget=8192)) == own
+    assert sizes(config(tmp_path, scheduler_cls=PACED, seqs=256, budget=300))[-1] == 300  # never past the budget
 
 
 def test_other_vllms_in_the_environment_keep_their_sizes(tmp_path, gpu_like):
@@ -79,9 +86,10 @@ def test_other_vllms_in_the_environment_keep_their_sizes(tmp_path, gpu_like):
 
 def test_on_and_a_limit_cover_any_scheduler(tmp_path, gpu_like):
     graphs.install(_vllm.VllmConfig, "on", lambda _: None)
-    assert sizes(config(tmp_path))[-1] == 2048
+    assert sizes(config(tmp_path))[-1] == 512
     graphs.install(_vllm.VllmConfig, 1024, lambda _: None)
     assert sizes(config(tmp_path))[-1] == 1024
+    assert sizes(config(tmp_path))[-4:] == [640, 768, 896, 1024]
     graphs.install(_vllm.VllmConfig, 100_000, lambda _: None)  # never past the batch budget
     assert sizes(config(tmp_path, budget=4096))[-1] == 4096
 
@@ -99,7 +107,7 @@ def test_no_graphs_means_no_sizes(tmp_path, gpu_like):
 
 
 def test_register_installs_it_and_refuses_a_bad_value(tmp_path, gpu_like, monkeypatch):
-    monkeypatch.setenv(graphs.ENV, "on")
+    monkeypatch.setenv(graphs.ENV, "2048")
     engine_patches.register()
     assert sizes(config(tmp_path))[-1] == 2048
     monkeypatch.setenv(graphs.ENV, "sometimes")
