@@ -121,6 +121,15 @@ def test_cost_model_arithmetic():
     assert c.scaled(2).step_seconds([100], []) == pytest.approx(2 * (0.005 + 1e-5))
 
 
+def test_a_mixed_step_takes_at_least_the_host_floor_and_a_large_one_hides_it():
+    c = CostModel(base=0.014, mixed=0.060, per_prefill_token=5e-5, mixed_floor=0.100)
+    assert c.step_seconds([0], []) == pytest.approx(0.014)  # decodes alone: graphed, no floor
+    assert c.step_seconds([0], [(300, 0)]) == pytest.approx(0.114)  # 0.089 of work, host-bound
+    assert c.step_seconds([0], [(100, 0), (200, 0)]) == pytest.approx(0.114)  # two prompts, one floor
+    assert c.step_seconds([0], [(1568, 0)]) == pytest.approx(0.014 + 0.060 + 0.0784)  # GPU-bound
+    assert c.scaled(2).step_seconds([0], [(300, 0)]) == pytest.approx(0.228)
+
+
 def test_build_engine_overrides_and_errors():
     e, p = build_engine("rtx3090-27b-hybrid", engine={"max_num_batched_tokens": 2048}, time_scale=0.5)
     assert e.config.max_num_batched_tokens == 2048 and e.config.block_size == 1568

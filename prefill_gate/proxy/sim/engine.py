@@ -33,7 +33,11 @@ class CostModel:
     """Seconds per engine step: ``base`` (a decode-only step of one row, under a CUDA
     graph) + ``mixed`` when the step carries prompt tokens + ``per_decode_row`` per extra
     row + ``per_prefill_token`` + ``attention`` x sum(chunk tokens x mean context they
-    attend to) + ``decode_kv`` x decode context tokens; x a lognormal jitter."""
+    attend to) + ``decode_kv`` x decode context tokens; x a lognormal jitter. A step that carries
+    prompt tokens takes at least ``base + mixed_floor``: where small mixed steps run eagerly the
+    host's kernel launches bound them however few tokens they hold (a 27B hybrid's 300-token
+    step: ~100 ms of host time against ~15 ms of prefill compute), and a large step's GPU work
+    hides the same launches."""
 
     base: float
     mixed: float = 0.0
@@ -46,6 +50,7 @@ class CostModel:
     arrival_per_token: float = 0.0  # engine stall when a text prompt arrives (added to the next step)
     frontend_per_id: float = 0.0  # the same two for a prompt given as token ids (no tokenizer on
     arrival_per_id: float = 0.0  # the way; what remains is parsing, hashing and bookkeeping)
+    mixed_floor: float = 0.0
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
@@ -54,13 +59,14 @@ class CostModel:
             t += self.mixed
             for n, start in chunks:
                 t += self.per_prefill_token * n + self.attention * n * (start + n / 2)
+            t = max(t, self.base + self.mixed_floor)
         return t
 
     def scaled(self, factor: float) -> "CostModel":
         return CostModel(self.base * factor, self.mixed * factor, self.per_decode_row * factor,
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
                          self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor,
-                         self.frontend_per_id * factor, self.arrival_per_id * factor)
+                         self.frontend_per_id * factor, self.arrival_per_id * factor, self.mixed_floor * factor)
 
 
 @dataclass(frozen=True)

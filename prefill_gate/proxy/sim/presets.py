@@ -68,10 +68,14 @@ _add(Preset(
 # 1568 tokens), --max-num-batched-tokens 2048 as in the report. Fitted by bench/sim_fit.py
 # from the seed pair direct with and without prefix caching (1568- and 2047-token chunks) and
 # checked on the paced runs held out of the fit: bench/results/sim/fit-h200-hybrid.json.
+# mixed_floor: stock vLLM's short-prompt step (graphs up to 128 tokens, so it runs eagerly), from
+# `bench short` on the H200 (bench/results/graphs/h200/hybrid/short-stock-2048.json: the stream
+# gap over a 200-400-token prompt, 114.9 ms at the median) less a decode step and the arrival;
+# checked by the same probe on this preset: bench/results/sim/short-h200-hybrid.json.
 _add(Preset(
     name="h200-27b-hybrid",
     cost=CostModel(base=14.1e-3, mixed=60.4e-3, per_prefill_token=5.08e-5, attention=4.3e-10,
-                   jitter=0.02, arrival_per_token=4.7e-6),
+                   jitter=0.02, arrival_per_token=4.7e-6, mixed_floor=99e-3),
     engine=EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64, block_size=1568, align_chunks=True),
     source="H200 vLLM 0.26.0, 27B dense hybrid dummy weights; bench/results/hybrid/h200/run-4031669/",
 ))
