@@ -47,3 +47,38 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
                 scores = scores.masked_fill(~visible, float("-inf"))
                 out[start + i, h] = torch.softmax(scores, dim=0) @ v[:, h // group]
     return out
+
+
+def gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_indices, has_initial=None, *,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification of ``prefill_gate.kernels.gated_delta.gated_delta_recurrent``, in
+    float64, one sequence, head and token at a time. Returns (out [tokens, HV, V] float64 with
+    NaN where a sequence was skipped, the updated copy of ``state`` in float64)."""
+    tokens, num_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1], v.shape[2]
+    scale = head_k ** -0.5 if scale is None else scale
+    out = torch.full((tokens, num_v_heads, head_v), float("nan"), dtype=torch.float64)
+    new_state = state.double().clone()
+    group = num_v_heads // num_heads
+    for n in range(len(cu_seqlens) - 1):
+        slot = int(state_indices[n])
+        if slot <= 0:
+            continue
+        start, end = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        for hv in range(num_v_heads):
+            s = new_state[slot, hv].clone() if has_initial is None or bool(has_initial[n]) else \
+                torch.zeros(head_v, head_k, dtype=torch.float64)
+            decay = -torch.exp(A_log[hv].double())
+            for t in range(start, end):
+                x = a[t, hv].double() + dt_bias[hv].double()
+                g = decay * (torch.log1p(torch.exp(x)) if x <= 20 else x)
+                beta = torch.sigmoid(b[t, hv].double())
+                qt = q[t, hv // group].double()
+                kt = k[t, hv // group].double()
+                qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
+                kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
+                s = torch.exp(g) * s
+                s = s + torch.outer(beta * (v[t, hv].double() - s @ kt), kt)
+                out[t, hv] = s @ qt
+            new_state[slot, hv] = s
+    return out, new_state

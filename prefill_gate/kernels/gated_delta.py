@@ -1,0 +1,152 @@
+"""The gated delta rule, token by token, for a step's decodes and short prefills at once.
+
+A Gated DeltaNet layer keeps, per sequence and value head, a [V, K] state S. Each token
+(q, k, v, a, b) updates it and reads it:
+
+    g    = -exp(A_log) * softplus(a + dt_bias)        beta = sigmoid(b)
+    q, k = q / |q|, k / |k|                            (L2 norm, eps 1e-6)
+    S    = exp(g) * S
+    S    = S + k (beta * (v - S k))^T                  (the delta rule)
+    o    = S q * scale
+
+vLLM 0.26 runs this two ways: a decode's one token through a recurrent kernel, a prefill's
+tokens through FLA's chunked algorithm (about ten launches and a dozen torch operations a
+layer: cumsum, kkt, solve_tril, wy, fwd_h, fwd_o, the state's gather, masked fill and scatter,
+a torch.cat of the decodes' and the prefill's outputs). In a step that carries a short prompt
+next to live streams that chunked path runs eagerly, outside the CUDA graphs, 48 times a step
+on the 27B hybrid: on the H200 such a step costs the streams 85-115 ms against a 15 ms decode
+step (issue 50; bench/results/graphs/h200/).
+
+``gated_delta_recurrent`` runs every sequence of the step, decodes and prefills, in one launch
+of one program per (value block, sequence, value head): the state loaded once from its slot
+(or zero, for a prompt with nothing computed before), the tokens walked in order in float32,
+each token's output written, the final state stored once. q, k, v are read in place from the
+convolution's output (strided views, no copy) and the output goes straight into the layer's
+buffer. The work per token is the decode's; a prompt of n tokens is n dependent updates, so
+it pays only while prompts are short: the engine patch (``engine_patches.gdn``) sends a step
+here only when its prompt tokens are few.
+
+Semantics are ``prefill_gate.kernels.reference.gated_delta_ref``'s (the executable
+specification), and the decode's arithmetic is vLLM's own recurrent kernel's (float32 state,
+the same softplus threshold and norm eps), so decodes match it to rounding; prefills match the
+chunked algorithm to the precision of the chunked form's intermediate products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as vLLM's kernels
+BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in registers
+
+
+@triton.jit
+def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, state_indices, has_initial,
+                        stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_slot, scale,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    if slot <= 0:
+        return  # no state slot (vLLM's NULL block, padding): nothing to compute or keep
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    p_state = state + slot * stride_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+
+    h = tl.zeros([BV, BK], dtype=tl.float32)
+    if MASK_INITIAL:
+        if tl.load(has_initial + i_n) != 0:
+            h += tl.load(p_state, mask=mask_h, other=0).to(tl.float32)
+    else:
+        h += tl.load(p_state, mask=mask_h, other=0).to(tl.float32)
+
+    decay = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    for t in range(bos, eos):
+        b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        x = tl.load(a + t * stride_a + i_hv).to(tl.float32) + bias
+        softplus = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x)
+        beta = tl.sigmoid(tl.load(b + t * stride_b + i_hv).to(tl.float32))
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS) * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+        h *= tl.exp(decay * softplus)
+        b_v = (b_v - tl.sum(h * b_k[None, :], 1)) * beta
+        h += b_v[:, None] * b_k[None, :]
+        b_o = tl.sum(h * b_q[None, :], 1)
+        tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    tl.store(p_state, h.to(state.dtype.element_ty), mask=mask_h)
+
+
+def _rows(name: str, x: torch.Tensor, heads: int, dim: int) -> int:
+    """The token stride of a [tokens, heads, dim] tensor whose heads and dims are packed
+    (the conv output's split views are); raise for any other layout."""
+    if x.dim() != 3 or x.shape[1:] != (heads, dim) or x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError(f"{name}: want [tokens, {heads}, {dim}] with packed heads, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0)
+
+
+def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                          cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                          has_initial: torch.Tensor | None = None, *, scale: float | None = None,
+                          out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Run the gated delta rule over every sequence of a step; update ``state`` in place.
+
+    q, k     [tokens, H, K]       (token stride free, heads packed: views of the conv output)
+    v        [tokens, HV, V]      HV a multiple of H (grouped value heads)
+    a, b     [tokens, HV]         the gate's and beta's pre-activations (token stride free)
+    A_log, dt_bias [HV]
+    state    [slots, HV, V, K]    float32, bfloat16 or float16; slot s of sequence n is
+                                  ``state_indices[n]``, read at its start (unless
+                                  ``has_initial[n]`` is false: zero) and written at its end;
+                                  a slot <= 0 skips the sequence (output left as it was)
+    cu_seqlens [N + 1] int32      sequence n owns tokens [cu_seqlens[n], cu_seqlens[n + 1])
+    out      [tokens, HV, V]      (allocated in v's dtype when None) -> returned
+
+    Nothing here reads a device value on the host: the launch never waits for the GPU."""
+    tokens, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
+    strides = (_rows("q", q, H, K), _rows("k", k, H, K), _rows("v", v, HV, V))
+    for name, x in (("a", a), ("b", b)):
+        if x.dim() != 2 or x.shape[1] != HV or x.stride(1) != 1:
+            raise ValueError(f"{name}: want [tokens, {HV}] with unit head stride, got {tuple(x.shape)} {x.stride()}")
+    if state.dim() != 4 or state.shape[1:] != (HV, V, K) or state.stride()[1:] != (V * K, K, 1):
+        raise ValueError(f"state: want [slots, {HV}, {V}, {K}] with contiguous slots, got {tuple(state.shape)}")
+    if out is None:
+        out = torch.empty(tokens, HV, V, dtype=v.dtype, device=v.device)
+    _rows("out", out, HV, V)
+    n = cu_seqlens.numel() - 1
+    if state_indices.numel() < n or (has_initial is not None and has_initial.numel() < n):
+        raise ValueError("state_indices and has_initial need an entry per sequence")
+    if n <= 0 or tokens == 0:
+        return out
+    block_k = triton.next_power_of_2(K)
+    block_v = min(triton.next_power_of_2(V), BLOCK_V)
+    grid = (triton.cdiv(V, block_v), n * HV)
+    _gated_delta_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
+        has_initial if has_initial is not None else state_indices,
+        *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
+        K ** -0.5 if scale is None else scale,
+        H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None,
+        num_warps=num_warps)
+    return out

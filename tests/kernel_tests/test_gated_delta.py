@@ -1,0 +1,142 @@
+"""gated_delta_recurrent: the gated delta rule for a step's decodes and short prefills, one launch.
+
+On the CPU under Triton's interpreter: against the float64 specification
+(``gated_delta_ref``), in the layouts the engine patch hands it (q, k, v as strided views of
+the convolution's output, grouped value heads, the state in slots, prompts with and without a
+computed prefix, padding slots), and against vLLM 0.26's own recurrent kernel (the one its
+decodes and speculative verifies run), which it must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefill_gate.kernels.gated_delta import gated_delta_recurrent
+from prefill_gate.kernels.reference import gated_delta_ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_step(lens, H=2, HV=4, K=32, V=16, slots=8, dtype=torch.float32, seed=0, device="cpu"):
+    """One step's inputs as the GDN layer has them after its convolution: a packed
+    [tokens, q | k | v] tensor and views into it."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lens)
+    mixed = torch.randn(tokens, 2 * H * K + HV * V, generator=g).to(dtype).to(device)
+    ab = torch.randn(tokens, 2 * HV, generator=g).to(dtype).to(device)  # a and b interleaved: strided views
+    return {
+        "q": mixed[:, :H * K].view(tokens, H, K), "k": mixed[:, H * K:2 * H * K].view(tokens, H, K),
+        "v": mixed[:, 2 * H * K:].view(tokens, HV, V), "a": ab[:, :HV], "b": ab[:, HV:],
+        "A_log": (torch.randn(HV, generator=g) * 0.5).to(device),
+        "dt_bias": (torch.randn(HV, generator=g) * 0.5).to(device),
+        "state": torch.randn(slots, HV, V, K, generator=g).to(device),
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device),
+    }
+
+
+def test_a_mixed_step_matches_the_specification():
+    """Three decodes, a prompt continuing from a cached state, a fresh prompt whose slot holds
+    a previous owner's state (it must start from zero) and a padding entry (slot 0: untouched)."""
+    lens = [1, 1, 7, 1, 12, 2]
+    step = make_step(lens)
+    indices = torch.tensor([3, 5, 2, 6, 1, 0], dtype=torch.int32)
+    has_initial = torch.tensor([True, True, True, True, False, True])
+    ref_out, ref_state = gated_delta_ref(**step, state_indices=indices, has_initial=has_initial)
+    state = step["state"].clone()
+    out = torch.full((sum(lens), 4, 16), 7.0)
+    gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial, out=out)
+    kept = ~torch.isnan(ref_out)
+    assert torch.allclose(out.double()[kept], ref_out[kept], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(state.double(), ref_state, atol=1e-5, rtol=1e-5)
+    assert (out[-2:] == 7.0).all()  # the padding entry wrote nothing
+    assert torch.equal(state[0], step["state"][0]) and torch.equal(state[7], step["state"][7])  # nor any other slot
+    # The fresh prompt really started from zero: from its slot's old contents it differs.
+    ref_stale, _ = gated_delta_ref(**step, state_indices=indices, has_initial=None)
+    assert not torch.allclose(ref_stale[10:22], ref_out[10:22], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,state_dtype,tol", [(torch.bfloat16, torch.float32, 2e-2),
+                                                   (torch.float16, torch.bfloat16, 3e-2)])
+def test_half_precision_inputs_and_states(dtype, state_dtype, tol):
+    lens = [1, 5, 1]
+    step = make_step(lens, H=1, HV=2, K=16, V=8, dtype=dtype, seed=3)
+    step["state"] = step["state"].to(state_dtype)
+    indices = torch.tensor([1, 2, 3], dtype=torch.int32)
+    ref_out, ref_state = gated_delta_ref(**step, state_indices=indices)
+    state = step["state"].clone()
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices)
+    assert out.dtype == dtype and state.dtype == state_dtype
+    assert (out.double() - ref_out).abs().max() <= tol * ref_out.abs().max()
+    assert (state.double() - ref_state).abs().max() <= tol * ref_state.abs().max()
+
+
+def test_no_sequences_no_launch_and_bad_layouts_are_clear_errors():
+    step = make_step([3])
+    empty = {**step, "cu_seqlens": torch.tensor([0], dtype=torch.int32)}
+    assert gated_delta_recurrent(**empty, state_indices=torch.zeros(0, dtype=torch.int32)).shape == (3, 4, 16)
+    with pytest.raises(ValueError, match="q: want"):
+        gated_delta_recurrent(**{**step, "q": step["q"].transpose(1, 2).contiguous().transpose(1, 2)},
+                              state_indices=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gated_delta_recurrent(**{**step, "v": step["v"][:, :3]}, state_indices=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="state: want"):
+        gated_delta_recurrent(**{**step, "state": step["state"].transpose(2, 3)},
+                              state_indices=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="an entry per sequence"):
+        gated_delta_recurrent(**step, state_indices=torch.zeros(0, dtype=torch.int32))
+
+
+def _against_vllm() -> None:
+    """vLLM's recurrent kernel over the same step: per-token state indices that name the slot
+    at a sequence's first token (read) and last (write), 0 (skip) between."""
+    from vllm.third_party.flash_linear_attention.ops import fused_sigmoid_gating_delta_rule_update
+
+    lens = [1, 6, 1, 9, 1]
+    step = make_step(lens, dtype=torch.bfloat16, seed=5)
+    indices = torch.tensor([1, 3, 4, 5, 7], dtype=torch.int32)
+    per_token = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    for n, length in enumerate(lens):
+        per_token[n, 0] = per_token[n, length - 1] = indices[n]
+    theirs_state = step["state"].clone()
+    theirs, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=step["A_log"], a=step["a"], b=step["b"], dt_bias=step["dt_bias"], q=step["q"].unsqueeze(0),
+        k=step["k"].unsqueeze(0), v=step["v"].unsqueeze(0), initial_state=theirs_state, inplace_final_state=True,
+        cu_seqlens=step["cu_seqlens"], ssm_state_indices=per_token, use_qk_l2norm_in_kernel=True)
+    ours_state = step["state"].clone()
+    ours = gated_delta_recurrent(**{**step, "state": ours_state}, state_indices=indices)
+    assert torch.equal(theirs.squeeze(0), ours), (theirs.squeeze(0).float() - ours.float()).abs().max()
+    assert torch.equal(theirs_state, ours_state)
+    print("identical")
+
+
+def test_bit_identical_to_vllms_own_recurrent_kernel():
+    """vLLM's Triton kernels need an active Triton driver unless CUDA_VISIBLE_DEVICES is empty
+    (vllm.triton_utils), which this process cannot change once vLLM is imported: a child."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    code = "import tests.kernel_tests.test_gated_delta as t; t._against_vllm()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_against_the_specification():
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    lens = [1] * 16 + [300, 64]
+    step = make_step(lens, H=16, HV=48, K=128, V=128, slots=40, dtype=torch.bfloat16, seed=9, device="cuda")
+    indices = torch.arange(1, len(lens) + 1, dtype=torch.int32, device="cuda")
+    has_initial = torch.tensor([True] * 17 + [False], device="cuda")
+    ref_out, ref_state = gated_delta_ref(**{k: v.cpu() for k, v in step.items()}, state_indices=indices.cpu(),
+                                         has_initial=has_initial.cpu())
+    state = step["state"].clone()
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial)
+    assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max()
+    assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max()
