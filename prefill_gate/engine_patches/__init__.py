@@ -11,8 +11,9 @@
 PREFILL_GATE_SPEC_AS_DECODE and PREFILL_GATE_GRAPH_STEPS settings (a bad value stops vLLM
 with a message naming the variable), points vLLM's CUSTOM attention slot at
 `prefill_gate.engine_patches.attention`, extends CUDA-graph capture sizes to the step budget
-when the paced scheduler is chosen (`graphs`: other vLLMs in the environment keep theirs)
-and logs what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend
+when the paced scheduler is chosen (`graphs`: other vLLMs in the environment keep theirs),
+sends Gated DeltaNet layers' short-prompt steps through one recurrent launch when
+PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default) and logs what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend
 with `--attention-backend CUSTOM`; pacing has an environment kill switch
 (PREFILL_GATE_PACING=off).
 """
@@ -28,16 +29,21 @@ logger = logging.getLogger(LOGGER)
 
 
 def register() -> None:
-    from prefill_gate.engine_patches import _vllm, graphs  # _vllm: the version check
+    from prefill_gate.engine_patches import _vllm, gdn, graphs  # _vllm: the version check
     from prefill_gate.engine_patches.config import PacingConfig
     from prefill_gate.engine_patches.routing import mode_from_env
 
     config = PacingConfig.from_env()
     spec_as_decode = mode_from_env()
     graph_steps = graphs.mode_from_env()
-    graphs.install(_vllm.VllmConfig, graph_steps, lambda message: logger.info("prefill-gate %s", message))
+    gdn_limit = gdn.mode_from_env()
+    say = lambda message: logger.info("prefill-gate %s", message)  # noqa: E731
+    graphs.install(_vllm.VllmConfig, graph_steps, say)
+    if gdn_limit or gdn.installed():  # vLLM's GDN layer modules load only where the patch is asked for
+        internals = _vllm.gdn_internals()
+        gdn.install(internals.layer_cls, gdn_limit, internals, say)
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s", _vllm.SUPPORTED_VLLM, config.describe(),
-                ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps)
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s", _vllm.SUPPORTED_VLLM, config.describe(),
+                ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, gdn.ENV, gdn_limit or "off")

@@ -119,3 +119,19 @@ def fcfs_queue(requests) -> FCFSRequestQueue:
     queue = FCFSRequestQueue()
     queue.extend(requests)
     return queue
+
+
+def gdn_internals():
+    """vLLM's Gated DeltaNet layer class and what its core calls, imported on demand: the
+    model-layer modules are heavy, and only a server with the GDN patch on needs them."""
+    from types import SimpleNamespace
+
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    return SimpleNamespace(layer_cls=QwenGatedDeltaNetAttention, metadata_cls=GDNAttentionMetadata,
+                           get_forward_context=get_forward_context, causal_conv1d_fn=causal_conv1d_fn,
+                           is_conv_state_dim_first=is_conv_state_dim_first)

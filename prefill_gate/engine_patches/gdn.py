@@ -1,0 +1,142 @@
+"""Gated DeltaNet layers: a step's short prompts through the decodes' recurrence, one launch a layer.
+
+On a Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5/3.6) a step that carries a short prompt next
+to live streams costs them far more than a decode step: on the H200 the 27B hybrid decodes in
+~15 ms a step and a 200-400-token prompt beside the streams takes 85-115 ms (issue 50,
+bench/results/graphs/h200/). Most of the difference is the GDN layers' prompt path, which runs
+outside the CUDA graphs (vLLM's ``qwen_gdn_attention_core`` is a splitting op): per layer, 48 of
+them, FLA's chunked algorithm (about ten kernels behind an autograd function and its input
+guards), the state's gather, masked fill and scatter, the decodes' own recurrent launch, a
+``torch.cat`` of both outputs and a copy. The GPU has ~0.1-0.2 ms of work a layer there; the
+host launching it is the rest.
+
+With this patch on, a step whose prompt tokens (all prompts of the step together) are at most
+the limit runs the layer's core as: vLLM's own convolution over every sequence (the same call
+as vLLM's), then ``prefill_gate.kernels.gated_delta.gated_delta_recurrent`` for decodes and
+prompts together: one launch that reads q, k, v in place from the convolution's output, starts
+each prompt from its cached state or from zero, walks the tokens in float32 and stores each
+final state once, writing straight into the layer's output. Larger steps, speculative decoding
+and decode-only steps take vLLM's path unchanged.
+
+    PREFILL_GATE_GDN_RECURRENT  off   vLLM's path for every step (the default until the H200
+                                      measures the gain: bench/gpu/gdn_h200.sh)
+                                on    steps with at most ON_TOKENS prompt tokens
+                                N     steps with at most N prompt tokens
+
+Numerics: decodes are bit-identical to vLLM's (the same arithmetic as its recurrent kernel,
+tested under Triton's interpreter); a prompt's tokens follow the recurrence token by token in
+float32 where vLLM's chunked form computes in chunks of 64 with bfloat16 products, so prompt
+outputs and the states they leave differ by rounding (tests/engine/test_gdn.py holds the glue to
+the specification on the CPU; the GPU test compares both paths on real kernels). A prompt's
+recurrence is sequential, n dependent updates, so the limit keeps it to short prompts, where
+one launch beats a dozen; where it stops paying is what the H200 sweep measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+ENV = "PREFILL_GATE_GDN_RECURRENT"
+ON_TOKENS = 256  # "on": a first guess at where a prompt's sequential recurrence stops paying
+MAX_TOKENS = 4096
+
+
+class GdnRecurrentError(ValueError):
+    """PREFILL_GATE_GDN_RECURRENT holds a value the plugin cannot use."""
+
+
+def mode_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The prompt-token limit of a step sent through the recurrence; 0 when off."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV) or "off").strip().lower()
+    if raw == "off":
+        return 0
+    if raw == "on":
+        return ON_TOKENS
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise GdnRecurrentError(f"{ENV}={env.get(ENV)!r}: expected off, on or a token count") from None
+    if not 1 <= limit <= MAX_TOKENS:
+        raise GdnRecurrentError(f"{ENV}={limit}: expected a token count in 1..{MAX_TOKENS} (a prompt's "
+                                "recurrence is sequential: long prompts belong to the chunked path)")
+    return limit
+
+
+def eligible(metadata, limit: int) -> bool:
+    """Does this step's GDN metadata describe a step the recurrence takes: prompts totalling at
+    most ``limit`` tokens, no speculative decoding, the mixed path's tensors present?"""
+    return (limit > 0 and metadata is not None and metadata.spec_sequence_masks is None
+            and 0 < metadata.num_prefills and metadata.num_prefill_tokens <= limit
+            and metadata.has_initial_state is not None and metadata.non_spec_state_indices_tensor is not None
+            and metadata.non_spec_query_start_loc is not None)
+
+
+def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm) -> None:
+    """The layer's core for an eligible step: vLLM's convolution, then one recurrent launch
+    for every sequence. ``vllm``: ``_vllm.gdn_internals()``."""
+    from prefill_gate.kernels.gated_delta import gated_delta_recurrent
+
+    tokens = metadata.num_actual_tokens
+    seqs = metadata.num_decodes + metadata.num_prefills
+    conv_state = layer.kv_cache[0] if vllm.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
+    ssm_state = layer.kv_cache[1]
+    weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
+    conv = vllm.causal_conv1d_fn(
+        mixed_qkv[:tokens].transpose(0, 1), weight, layer.conv1d.bias, activation=layer.activation,
+        conv_states=conv_state, has_initial_state=metadata.has_initial_state,
+        cache_indices=metadata.non_spec_state_indices_tensor, query_start_loc=metadata.non_spec_query_start_loc,
+        metadata=metadata,
+    ).transpose(0, 1)
+    if conv.stride(1) != 1:  # the conv writes channels-last for a dense input; a strided view may not be
+        conv = conv.contiguous()
+    key_dim = layer.key_dim // layer.tp_size
+    q = conv[:, :key_dim].unflatten(1, (-1, layer.head_k_dim))
+    k = conv[:, key_dim:2 * key_dim].unflatten(1, (-1, layer.head_k_dim))
+    v = conv[:, 2 * key_dim:].unflatten(1, (-1, layer.head_v_dim))
+    gated_delta_recurrent(
+        q, k, v, _rows(a[:tokens]), _rows(b[:tokens]), layer.A_log, layer.dt_bias, ssm_state,
+        metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
+        metadata.has_initial_state[:seqs], out=core_attn_out[:tokens])
+
+
+def _rows(x):
+    """[tokens, heads] with unit head stride (what the kernel reads), copying only if needed."""
+    x = x.reshape(x.shape[0], -1)
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def installed() -> bool:
+    """Has this process wrapped vLLM's GDN layer already (its module is loaded and carries ours)?"""
+    import sys
+
+    module = sys.modules.get("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
+    layer_cls = getattr(module, "QwenGatedDeltaNetAttention", None)
+    return hasattr(getattr(layer_cls, "_forward_core", None), "prefill_gate_settings")
+
+
+def install(layer_cls, limit: int, vllm, log) -> None:
+    """Wrap ``layer_cls._forward_core`` so that eligible steps take ``recurrent_core``. Installing
+    again only replaces the limit (register() runs in every process); limit 0 restores vLLM's."""
+    current = layer_cls._forward_core
+    if hasattr(current, "prefill_gate_settings"):
+        current.prefill_gate_settings["limit"] = limit
+        return
+    if limit <= 0:
+        return
+    original = current
+    settings = {"limit": limit}
+
+    @functools.wraps(original)
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        attn = vllm.get_forward_context().attn_metadata
+        metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
+        if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
+            return original(self, mixed_qkv, b, a, core_attn_out)
+        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm)
+
+    _forward_core.prefill_gate_settings = settings
+    layer_cls._forward_core = _forward_core
+    log(f"Gated DeltaNet: steps with at most {limit} prompt tokens run one recurrent launch a layer ({ENV})")

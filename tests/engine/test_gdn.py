@@ -1,0 +1,196 @@
+"""engine_patches.gdn: short-prompt steps of a Gated DeltaNet layer through one recurrent launch.
+
+On the CPU: the setting, which steps are taken, and the glue around the kernel (the conv call
+vLLM makes, q/k/v cut into heads, a/b, state slots, fresh prompts from zero, the output in the
+layer's buffer) against the float64 specification, through vLLM's real metadata class and the
+wrapper installed on a layer class; the real layer class wrapped by register(). Triton's
+interpreter runs the kernel. The GPU test runs vLLM's path and ours on the same step on real
+kernels (bench/gpu/gdn_h200.sh runs it on the H200).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prefill_gate.engine_patches import gdn
+from prefill_gate.kernels.reference import gated_delta_ref
+
+H, HV, K, V, WIDTH = 2, 4, 16, 8, 4
+PREFIX = "model.layers.0.linear_attn"
+
+
+def test_the_setting():
+    assert gdn.mode_from_env({}) == 0
+    assert gdn.mode_from_env({gdn.ENV: "off"}) == 0
+    assert gdn.mode_from_env({gdn.ENV: " ON "}) == gdn.ON_TOKENS
+    assert gdn.mode_from_env({gdn.ENV: "128"}) == 128
+    for bad in ("sometimes", "0", "100000", "-5"):
+        with pytest.raises(gdn.GdnRecurrentError, match=gdn.ENV):
+            gdn.mode_from_env({gdn.ENV: bad})
+
+
+def metadata(lens, has_initial, slots, spec=False, device="cpu"):
+    """vLLM's GDN metadata for a step of decodes (length 1, first) and prompts."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    decodes = sum(1 for n in lens if n == 1)
+    return GDNAttentionMetadata(
+        num_prefills=len(lens) - decodes, num_prefill_tokens=sum(lens) - decodes, num_decodes=decodes,
+        num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=sum(lens),
+        has_initial_state=torch.tensor(has_initial, device=device),
+        non_spec_query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                              device=device),
+        non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32, device=device),
+        spec_sequence_masks=torch.ones(1, dtype=torch.bool) if spec else None)
+
+
+def test_which_steps_take_the_recurrence():
+    step = metadata([1, 1, 30, 20], [True, True, False, True], [1, 2, 3, 4])
+    assert gdn.eligible(step, 50) and not gdn.eligible(step, 49) and not gdn.eligible(step, 0)
+    assert not gdn.eligible(metadata([1, 1], [True, True], [1, 2]), 50)  # decode-only: vLLM's graphs
+    assert not gdn.eligible(metadata([1, 8], [True, True], [1, 2], spec=True), 50)
+    assert not gdn.eligible(None, 50)
+
+
+def conv_ref(x, weight, bias, state, has_initial, slots, starts):
+    """Causal depthwise conv + SiLU per sequence, from the slot's last inputs (or zeros);
+    returns (out [tokens, dim], the new states). ``state``: [slots, dim, WIDTH - 1]."""
+    out, new = torch.empty_like(x), state.clone()
+    for n in range(len(slots)):
+        lo, hi = int(starts[n]), int(starts[n + 1])
+        before = state[slots[n]] if has_initial[n] else torch.zeros_like(state[slots[n]])
+        ext = torch.cat([before, x[lo:hi].T], dim=1)  # [dim, WIDTH - 1 + n]
+        for t in range(hi - lo):
+            out[lo + t] = torch.nn.functional.silu((ext[:, t:t + WIDTH] * weight).sum(1) + bias)
+        new[slots[n]] = ext[:, -(WIDTH - 1):]
+    return out, new
+
+
+class FakeLayer:
+    """What ``recurrent_core`` reads from vLLM's QwenGatedDeltaNetAttention."""
+
+    calls: list = []
+
+    def __init__(self, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        dim = 2 * H * K + HV * V
+        self.prefix, self.tp_size, self.activation = PREFIX, 1, "silu"
+        self.key_dim, self.head_k_dim, self.head_v_dim = H * K, K, V
+        self.conv1d = SimpleNamespace(weight=torch.randn(dim, 1, WIDTH, generator=g) * 0.5,
+                                      bias=torch.randn(dim, generator=g) * 0.1)
+        self.A_log = torch.randn(HV, generator=g) * 0.5
+        self.dt_bias = torch.randn(HV, generator=g) * 0.5
+        self.kv_cache = (torch.randn(8, dim, WIDTH - 1, generator=g),  # conv state, dim first
+                         torch.randn(8, HV, V, K, generator=g))
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        FakeLayer.calls.append(("vllm", mixed_qkv.shape[0]))
+
+
+def fake_vllm(step):
+    seen = []
+
+    def causal_conv1d_fn(x, weight, bias, *, activation, conv_states, has_initial_state, cache_indices,
+                         query_start_loc, metadata):
+        assert activation == "silu" and metadata is step and x.shape[0] == weight.shape[0]  # [dim, tokens]
+        seen.append("conv")
+        out, new = conv_ref(x.T, weight, bias, conv_states, has_initial_state.tolist(), cache_indices.tolist(),
+                            query_start_loc.tolist())
+        conv_states.copy_(new)
+        return out.T
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    return SimpleNamespace(
+        metadata_cls=GDNAttentionMetadata, causal_conv1d_fn=causal_conv1d_fn, is_conv_state_dim_first=lambda: True,
+        get_forward_context=lambda: SimpleNamespace(attn_metadata={PREFIX: step}), seen=seen)
+
+
+def test_the_layer_core_matches_the_specification():
+    """A step of two decodes, a prompt continuing a cached state and a fresh prompt whose slot
+    holds another request's old state, padded to 48 tokens as a graph-less step may be."""
+    lens, has_initial, slots = [1, 1, 9, 14], [True, True, True, False], [5, 2, 7, 3]
+    step = metadata(lens, has_initial, slots)
+    tokens, padded = sum(lens), 48
+    g = torch.Generator().manual_seed(1)
+    mixed_qkv = torch.randn(padded, 2 * H * K + HV * V + 24, generator=g)[:, :2 * H * K + HV * V]  # a strided view
+    ba = torch.randn(padded, 2 * HV, generator=g)
+    b, a = ba[:, :HV], ba[:, HV:]
+    layer = FakeLayer()
+    conv_before, ssm_before = layer.kv_cache[0].clone(), layer.kv_cache[1].clone()
+
+    class Layer(FakeLayer):
+        pass
+
+    vllm = fake_vllm(step)
+    gdn.install(Layer, 64, vllm, lambda message: None)
+    patched = Layer()
+    patched.kv_cache = tuple(t.clone() for t in layer.kv_cache)
+    out = torch.zeros(padded, HV, V)
+    FakeLayer.calls.clear()
+    patched._forward_core(mixed_qkv, b, a, out)
+    assert vllm.seen == ["conv"] and FakeLayer.calls == []  # our path, with vLLM's conv call
+
+    conv, conv_after = conv_ref(mixed_qkv[:tokens], layer.conv1d.weight[:, 0], layer.conv1d.bias, conv_before,
+                                has_initial, slots, step.non_spec_query_start_loc.tolist())
+    q = conv[:, :H * K].reshape(tokens, H, K)
+    k = conv[:, H * K:2 * H * K].reshape(tokens, H, K)
+    v = conv[:, 2 * H * K:].reshape(tokens, HV, V)
+    ref_out, ref_state = gated_delta_ref(q, k, v, a[:tokens], b[:tokens], layer.A_log, layer.dt_bias, ssm_before,
+                                         step.non_spec_query_start_loc, step.non_spec_state_indices_tensor,
+                                         step.has_initial_state)
+    assert torch.allclose(out[:tokens].double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert (out[tokens:] == 0).all()  # the padding rows stay as vLLM leaves them
+    assert torch.allclose(patched.kv_cache[1].double(), ref_state, atol=1e-5, rtol=1e-5)
+    assert torch.equal(patched.kv_cache[0], conv_after)
+
+    # A step past the limit, and one with no metadata for this layer, are vLLM's.
+    Layer._forward_core.prefill_gate_settings["limit"] = 22
+    patched._forward_core(mixed_qkv, b, a, out)
+    vllm.get_forward_context = lambda: SimpleNamespace(attn_metadata=None)
+    patched._forward_core(mixed_qkv, b, a, out)
+    assert FakeLayer.calls == [("vllm", padded), ("vllm", padded)]
+    gdn.install(Layer, 0, vllm, lambda message: None)  # off again: the limit, not a second wrapper
+    assert Layer._forward_core.prefill_gate_settings["limit"] == 0
+
+
+def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from prefill_gate import engine_patches
+
+    original = QwenGatedDeltaNetAttention._forward_core
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "_forward_core", original)  # restored after the test
+    monkeypatch.delenv(gdn.ENV, raising=False)
+    engine_patches.register()
+    assert QwenGatedDeltaNetAttention._forward_core is original
+    monkeypatch.setenv(gdn.ENV, "on")
+    with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
+        engine_patches.register()
+    wrapped = QwenGatedDeltaNetAttention._forward_core
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS} and wrapped.__wrapped__ is original
+    assert f"at most {gdn.ON_TOKENS} prompt tokens run one recurrent launch" in caplog.text
+    monkeypatch.setenv(gdn.ENV, "off")
+    engine_patches.register()
+    assert QwenGatedDeltaNetAttention._forward_core is wrapped and wrapped.prefill_gate_settings["limit"] == 0
+    monkeypatch.setenv(gdn.ENV, "lots")
+    with pytest.raises(gdn.GdnRecurrentError, match="PREFILL_GATE_GDN_RECURRENT='lots'"):
+        engine_patches.register()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_vllms_path_and_ours_agree():
+    """One mixed step of a real-sized layer (48 value heads of 128, 16 key heads) through
+    vLLM's conv and chunked path and through ours, from the same states."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    from tests.engine.gdn_gpu import compare_paths
+
+    worst = compare_paths(prompt_lens=[300, 37], decodes=8)
+    assert worst["out_rel"] <= 2e-2 and worst["state_rel"] <= 2e-2 and worst["decode_out_equal"], worst
+
