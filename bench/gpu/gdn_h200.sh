@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Issue 50, item 2: engine_patches.gdn (PREFILL_GATE_GDN_RECURRENT) against vLLM's own GDN path on
+# the H200, in calls that resume (servers outlive a call, rows in WORK are skipped, DEADLINE: no
+# new row past it). Nothing here has run yet: the first session with a device runs it.
+#
+#   STAGE=kernel   no model: the GPU tests (kernel against the specification, one mixed step of a
+#                  27B-sized layer through vLLM's core and ours) and bench/gpu/gdn_sweep.py (each
+#                  path's time per layer call by prompt length: where the limit should be). ~3 min
+#   STAGE=hybrid   the 27B hybrid (bench/gpu/hybrid_model.py) twice as the stack runs it (paced
+#                  scheduler, graphs auto, prefix caching, fp8 KV, budget 2,048): :8001 without the
+#                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on}; rows: greedy answers
+#                  compared, `bench short` with pacing off and with adaptive 15 ms, the seed pair
+#
+#   source .gpu/device_setup.sh setup && STAGE=kernel bash bench/gpu/gdn_h200.sh "$OUT"
+#   source .gpu/device_setup.sh setup && STAGE=hybrid DEADLINE=420 bash bench/gpu/gdn_h200.sh "$OUT"
+set -u
+OUT=${1:-out/gdn}
+STAGE=${STAGE:-kernel}
+WORK=${WORK:-/root/gdn}
+RUNS=${PAIR_RUNS:-3}
+SHORT_DURATION=${SHORT_DURATION:-45}
+mkdir -p "$OUT" "$WORK/$STAGE"
+RES=$(cd "$WORK/$STAGE" && pwd)
+MODEL=${MODEL:-.gpu/model-hybrid-27b} UTIL=${UTIL:-0.45} KV_BYTES=${KV_BYTES:-10737418240}
+source bench/gpu/lib.sh
+[ -f .gpu/ep/prefill_gate-0.1.0.dist-info/entry_points.txt ] || { say "no .gpu/ep (bench/gpu/dist_info.py)"; exit 2; }
+export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/ep:$PWD
+up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
+deadline_passed() { [ "${DEADLINE:-0}" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge "$DEADLINE" ]; }
+PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
+
+pacing() {  # KEY=VALUE...: both servers' pacing settings, through their control file
+  printf '%s\n' "$@" > "$RES/control.env.tmp" && mv "$RES/control.env.tmp" "$RES/control.env"; sleep 1
+}
+
+row() {  # kind label url: one resumable row (short | pair | greedy)
+  local kind=$1 label=$2 url=$3
+  if [ -f "$RES/$kind-$label.json" ]; then say "$kind $label: done already"; return 0; fi
+  if deadline_passed; then say "$kind $label: left for the next call (DEADLINE)"; return 0; fi
+  say "$kind $label -> $url"
+  case $kind in
+    short) python3 -m prefill_gate bench short --base-url "$url" --model m --label "$label" \
+             --duration "$SHORT_DURATION" --json "$RES/short-$label.json" 2>&1 | grep -v '^\[short\]' ;;
+    pair) python3 -m prefill_gate bench overlap --base-url "$url" --model m --runs "$RUNS" --label "$label" \
+            --json "$RES/pair-$label.json" --plot "$RES/pair-$label.png" 2>&1 | grep -v '^\[overlap\]' ;;
+    greedy) python3 bench/gpu/greedy_compare.py http://127.0.0.1:8001 "$url" --json "$RES/greedy-$label.json" ;;
+  esac | tee -a "$RES/bench.log"
+}
+
+finish() {
+  for f in "$RES"/server-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "${f%.log}-tail.txt"; done
+  tar czf "$OUT/gdn-$STAGE.tar.gz" -C "$RES" --exclude='server-*.log' .
+  for f in "$RES"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done 2>/dev/null
+  say "done"
+}
+
+gpu_info
+case $STAGE in
+  kernel)
+    TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernel_tests/test_gated_delta.py \
+      tests/engine/test_gdn.py 2>&1 | tail -15 | tee "$RES/gpu-tests.txt"
+    [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
+      2>&1 | tee "$RES/sweep.txt" ;;
+  hybrid)
+    if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then
+      COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
+              --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
+              --max-num-batched-tokens 2048 --scheduler-cls "$PACED_CLS")
+      pacing PREFILL_GATE_PACING=off
+      export PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10
+      PREFILL_GATE_GDN_RECURRENT=off start_server vllm-gdn 8001 "${COMMON[@]}"
+      sleep 15
+      PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
+      for s in vllm-gdn:8001 ours-gdn:8002; do
+        wait_health "${s#*:}" 480 "${PID_OF[${s%:*}]}" || { say "${s%:*} did not come up"; tail -40 "$RES/server-${s%:*}.log"; exit 1; }
+      done
+      say "servers healthy"
+    fi
+    grep -h "prefill-gate" "$RES"/server-*.log | grep -i "gated deltanet\|CUDA graphs" | sort -u | tee "$RES/patches.txt"
+    pacing PREFILL_GATE_PACING=off
+    row greedy ours-gdn http://127.0.0.1:8002
+    row short vllm-gdn http://127.0.0.1:8001
+    row short ours-gdn http://127.0.0.1:8002
+    pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15
+    row short paced-vllm-gdn http://127.0.0.1:8001
+    row short paced-ours-gdn http://127.0.0.1:8002
+    row pair paced-ours-gdn http://127.0.0.1:8002
+    row pair paced-vllm-gdn http://127.0.0.1:8001 ;;
+  *) say "STAGE must be kernel or hybrid"; exit 2 ;;
+esac
+finish
