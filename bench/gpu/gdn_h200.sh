@@ -47,13 +47,6 @@ row() {  # kind label url: one resumable row (short | pair | greedy)
   esac | tee -a "$RES/bench.log"
 }
 
-finish() {
-  for f in "$RES"/server-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "${f%.log}-tail.txt"; done
-  tar czf "$OUT/gdn-$STAGE.tar.gz" -C "$RES" --exclude='server-*.log' .
-  for f in "$RES"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done 2>/dev/null
-  say "done"
-}
-
 gpu_info
 case $STAGE in
   kernel)
@@ -88,4 +81,4 @@ case $STAGE in
     row pair paced-vllm-gdn http://127.0.0.1:8001 ;;
   *) say "STAGE must be kernel or hybrid"; exit 2 ;;
 esac
-finish
+pack_results "gdn-$STAGE"

@@ -77,13 +77,6 @@ graph_notes() {  # what each server captured, and what it cost
   cat "$RES/graphs.txt"
 }
 
-finish() {
-  for f in "$RES"/server-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "${f%.log}-tail.txt"; done
-  tar czf "$OUT/graphs-$STAGE.tar.gz" -C "$RES" --exclude='server-*.log' .
-  for f in "$RES"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done 2>/dev/null
-  say "done"
-}
-
 gpu_info
 case $STAGE in
   dense-start)
@@ -132,4 +125,4 @@ case $STAGE in
     row pair stock-2048 http://127.0.0.1:8001 ;;
   *) say "STAGE must be dense-start, dense or hybrid"; exit 2 ;;
 esac
-finish
+pack_results "graphs-$STAGE"

@@ -99,3 +99,11 @@ mixed_report() {  # dir: every RES/mixed-*.json but the sparse rows merged into 
     > "$1/mixed-sparse-table.txt" 2>&1
   cat "$1"/mixed*-table.txt 2>/dev/null
 }
+
+pack_results() {  # name: RES packed into OUT/NAME.tar.gz (server logs as their last 200 KB), its JSON beside
+  local f
+  for f in "$RES"/server-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "${f%.log}-tail.txt"; done
+  tar czf "$OUT/$1.tar.gz" -C "$RES" --exclude='server-*.log' .
+  for f in "$RES"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done 2>/dev/null
+  say "done"
+}
