@@ -13,9 +13,9 @@ with a message naming the variable), points vLLM's CUSTOM attention slot at
 `prefill_gate.engine_patches.attention`, extends CUDA-graph capture sizes to the step budget
 when the paced scheduler is chosen (`graphs`: other vLLMs in the environment keep theirs),
 sends Gated DeltaNet layers' short-prompt steps through one recurrent launch when
-PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default) and logs what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend
-with `--attention-backend CUSTOM`; pacing has an environment kill switch
-(PREFILL_GATE_PACING=off).
+PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default) and logs what is active. The
+scheduler classes are chosen with `--scheduler-cls` and the backend with `--attention-backend
+CUSTOM`; pacing has an environment kill switch (PREFILL_GATE_PACING=off).
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ def collect(work: Path) -> dict[str, dict[str, dict]]:
 
 
 COLUMNS = [("row", "row"), ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9"), ("itl_ms_max", "max"),
-           ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x"), ("long_x_p50_own", "own engine"), ("long_x_p90", "long p90 x"),
+           ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x"), ("long_x_p50_own", "own engine"),
+           ("long_x_p90", "long p90 x"),
            ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"), ("a_x_own", "own engine"),
            ("sparse_long_ttft_s_p50", "sparse long p50 s"),
            ("long_vs_direct", "x direct")]
