@@ -20,12 +20,12 @@ SIZES = {"H": 16, "HV": 48, "K": 128, "V": 128}  # the 27B hybrid's, per GPU
 WIDTH = 4
 
 
-def make_layer(slots: int, seed: int = 0, dtype=torch.bfloat16, device="cuda", H=16, HV=48, K=128, V=128):
+def make_layer(slots: int, seed: int = 0, dtype=torch.bfloat16, device="cuda", sizes: dict = SIZES):
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
 
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
+    H, HV, K, V = (sizes[k] for k in ("H", "HV", "K", "V"))
     g = torch.Generator(device=device).manual_seed(seed)
     dim = 2 * H * K + HV * V
     conv_layout = (dim, WIDTH - 1) if is_conv_state_dim_first() else (WIDTH - 1, dim)  # vLLM's DS or SD
@@ -89,7 +89,7 @@ def compare_paths(prompt_lens: list[int], decodes: int, seed: int = 0, timing_ru
     tokens = md.num_actual_tokens
     sizes = sizes or SIZES
     H, HV, K, V = (sizes[k] for k in ("H", "HV", "K", "V"))
-    layer = make_layer(seqs + 2, seed, device=device, **sizes)
+    layer = make_layer(seqs + 2, seed, device=device, sizes=sizes)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     mixed = torch.randn(tokens, 2 * H * K + HV * V, generator=g, device=device).to(torch.bfloat16)
     b = torch.randn(tokens, HV, generator=g, device=device).to(torch.bfloat16)

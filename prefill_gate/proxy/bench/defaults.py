@@ -99,7 +99,7 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
         m = steady["mixed"]
         out.update({k: m.get(k, math.nan) for k in ("itl_ms_p99", "itl_ms_p999", "itl_ms_max", "ttft_ms_p99",
                                                     "long_x_p50", "long_x_p90", "long_ttft_s_p50")})
-        stock = (direct or {}).get("steady", {}).get("long_alone_ttft_s_p50") if foreign else None
+        stock = direct.get("steady", {}).get("long_alone_ttft_s_p50") if foreign else None
         if stock:
             out["long_x_p50_own"], out["long_x_p90_own"] = out["long_x_p50"], out["long_x_p90"]
             out["long_x_p50"] = m.get("long_ttft_s_p50", math.nan) / stock
@@ -109,7 +109,7 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
         runs = pair["per_run"]
         out["b_max_ms"] = max(r["overlap_itl_ms_max"] for r in runs)
         out["a_x"] = max(r["a_ttft_s"] / r["a_solo_ttft_s"] for r in runs)
-        stock_runs = (direct or {}).get("pair", {}).get("per_run") if foreign else None
+        stock_runs = direct.get("pair", {}).get("per_run") if foreign else None
         if stock_runs:
             alone = statistics.median(r["a_solo_ttft_s"] for r in stock_runs)
             out["a_x_own"], out["a_x"] = out["a_x"], max(r["a_ttft_s"] for r in runs) / alone
