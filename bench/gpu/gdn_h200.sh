@@ -50,8 +50,10 @@ row() {  # kind label url: one resumable row (short | pair | greedy)
 gpu_info
 case $STAGE in
   kernel)
-    TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernel_tests/test_gated_delta.py \
-      tests/engine/test_gdn.py 2>&1 | tail -15 | tee "$RES/gpu-tests.txt"
+    # --noconftest: the suite's conftest imports the proxy's test fixtures; the GPU tests need none
+    TRITON_INTERPRET=0 python3 -m pytest -v -rs --noconftest -p no:cacheprovider -m gpu \
+      tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py > "$RES/gpu-tests.txt" 2>&1
+    tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid)
