@@ -29,6 +29,11 @@ validated when the scheduler is built; an error names the variable and what it a
                                      chunk; 0: arrival order, as vLLM (1024)
     PREFILL_GATE_PACING_LONG_MIN_SHARE the least share of a bounded step's prefill tokens a
                                      longer prompt keeps while short ones go first (0.5)
+    PREFILL_GATE_PACING_SUB_BLOCK    hybrid models in prefix caching's align mode: 1 lets a
+                                     bounded step carry part of a KV block of a long prompt
+                                     (chunks still end on every block boundary they reach,
+                                     where the recurrent state is cached); 0: whole blocks,
+                                     as vLLM (0)
     PREFILL_GATE_PACING_LOG_INTERVAL_S seconds between decision summaries in the log;
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
@@ -72,6 +77,7 @@ class PacingConfig:
     step_quantum: int = 0
     short_tokens: int = 1024
     long_min_share: float = 0.5
+    sub_block: bool = False
     log_interval_s: float = 30.0
     metrics_port: int = 0
 
@@ -108,6 +114,7 @@ class PacingConfig:
             step_quantum=_number(env, "STEP_QUANTUM", 0, low=0, high=1 << 16),
             short_tokens=_number(env, "SHORT_TOKENS", 1024, low=0, high=1 << 20),
             long_min_share=_number(env, "LONG_MIN_SHARE", 0.5, low=0.0, high=1.0, cast=float),
+            sub_block=_number(env, "SUB_BLOCK", 0, low=0, high=1) == 1,
             log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
             metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )

@@ -23,8 +23,11 @@ each group), so a prefilling request earlier in `running` can never take the bud
 from the decodes behind it; then the step's token budget is set to the decodes' own
 tokens (1 + k with k speculative tokens) plus the prefill cap, and the per-request
 `long_prefill_token_threshold` to at most the cap, for the duration of one `super()`
-call. Caps are whole KV blocks in hybrid align mode (never below one block: a smaller
-budget makes 0-token chunks and the prefill never advances), and by default they keep
+call. Caps are whole KV blocks in hybrid align mode (never below one block: vLLM rounds a
+smaller chunk down to nothing and the prefill never advances), unless SUB_BLOCK lets a bounded
+step carry part of a block: then a long prompt's chunk may end inside a block but never runs
+past a block boundary without ending on it, so the recurrent state every cached block holds is
+still the state at its boundary (`_mamba_block_aligned_split`). By default caps keep
 decode tokens + cap within the largest CUDA-graph capture size and lower it to a capture
 size: vLLM pads a step up to the next one, and the pad tokens cost what real ones do.
 
@@ -104,6 +107,11 @@ class Pacer:
         self.aim = 0.95
 
     @property
+    def cap_block(self) -> int | None:
+        """The unit caps are rounded to: the KV block in align mode, unless SUB_BLOCK."""
+        return None if self.config.sub_block else self.block_size
+
+    @property
     def graph_limit(self) -> int | None:
         """The largest CUDA-graph capture size when the clamp applies."""
         return self.graph_sizes[-1] if self.graph_sizes and self.config.graph_clamp else None
@@ -180,8 +188,8 @@ class Pacer:
         if self.config.graph_align:
             cap = self._align_to_graph(cap, decode_tokens)
         cap = max(cap, 1)
-        if self.block_size:
-            cap = max(self.block_size, cap // self.block_size * self.block_size)
+        if self.cap_block:
+            cap = max(self.cap_block, cap // self.cap_block * self.cap_block)
         return cap
 
     def _align_to_graph(self, cap: int, decode_tokens: int) -> int:
@@ -217,6 +225,7 @@ class _PacingMixin:
         self._pacing_last_call: float | None = None
         self.short_first = ShortFirst(self)
         self._arrangement: Arrangement | None = None  # this step's, during super().schedule()
+        self._sub_block_step = False  # a bounded step with SUB_BLOCK on, during super().schedule()
         self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
         self._control_seen: int | None = None  # the control file's mtime (ns) last read
         self._control_next_poll = 0.0
@@ -238,7 +247,9 @@ class _PacingMixin:
         logger.info(
             "prefill-gate %s%s%s%s%s",
             config.describe(),
-            f"; caps in whole blocks of {self.pacer.block_size}" if self.pacer.block_size else "",
+            f"; caps in whole blocks of {self.pacer.block_size}" if self.pacer.cap_block
+            else f"; chunks may end inside a block of {self.pacer.block_size}, never cross a boundary"
+            if self.pacer.block_size else "",
             f"; decode tokens + cap <= {self.pacer.graph_limit} (largest CUDA graph)"
             if self.pacer.graph_limit and config.mode in ("cap", "adaptive")
             else "",
@@ -315,7 +326,7 @@ class _PacingMixin:
                 arrangement = self.short_first.arrange(
                     cap=plan.prefill_cap, short_run=short_run, long_run=prefills,
                     short_tokens=config.short_tokens, long_min_share=config.long_min_share,
-                    block_size=self.pacer.block_size)
+                    block_size=self.pacer.cap_block)
             output = self._schedule_capped(sum(decode_tokens.values()) + plan.prefill_cap, plan.prefill_cap,
                                            arrangement)
         else:
@@ -333,11 +344,13 @@ class _PacingMixin:
             cap if saved_threshold <= 0 else min(saved_threshold, cap)
         )
         self._arrangement = arrangement
+        self._sub_block_step = self._model_aligns and self.pacer.config.sub_block
         try:
             with self.short_first.applied(arrangement):
                 return super().schedule(False)
         finally:
             self._arrangement = None
+            self._sub_block_step = False
             self.max_num_scheduled_tokens = saved_budget
             config.long_prefill_token_threshold = saved_threshold
 
@@ -349,10 +362,35 @@ class _PacingMixin:
         if arrangement is not None:
             num_new_tokens = arrangement.clamp(request.request_id, num_new_tokens)
         if self._model_aligns:
+            wanted = num_new_tokens
             num_new_tokens = super()._mamba_block_aligned_split(request, num_new_tokens, *args)
+            if num_new_tokens == 0 and wanted > 0 and self._sub_block_step:
+                num_new_tokens = self._within_block(request, wanted, *args)
         if arrangement is not None:
             arrangement.took(request.request_id, num_new_tokens)
         return num_new_tokens
+
+    def _within_block(self, request: Request, wanted: int, local_computed: int = 0,
+                      external_computed: int = 0) -> int:
+        """A chunk vLLM's alignment rounded to nothing (it ends before the next block
+        boundary): the part of it up to that boundary, where the state is cached.
+
+        vLLM keeps a request's running recurrent state in the slot of the block that holds
+        its last computed token, copies it into the next block's slot when a step starts
+        past a boundary, and caches a block when the request's tokens fill it. A chunk that
+        ends inside a block leaves the state in that block's slot, the next chunk continues
+        from the same slot, and the chunk that reaches the boundary ends on it (vLLM's own
+        split stops a chunk that starts inside a block at the next boundary), so the state a
+        cached block holds is its boundary's. Prompts whose remaining tokens end before the
+        last full block are vLLM's to split (it takes them whole)."""
+        block = self.cache_config.block_size
+        start = request.num_computed_tokens + local_computed + external_computed
+        last_cached = request.num_tokens - request.num_tokens % block
+        if self.use_eagle:
+            last_cached = max(last_cached - block, 0)
+        if start >= last_cached:
+            return 0
+        return min(wanted, (start // block + 1) * block - start)
 
     def _record_step(self, output: SchedulerOutput, decode_ids: set[str], plan: StepPlan,
                      now: float, arrangement: Arrangement | None = None) -> None:

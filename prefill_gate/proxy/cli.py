@@ -200,6 +200,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
                                                 "block_size", "pacing_cap", "pacing_short_tokens",
                                                 "pacing_long_min_share") if getattr(args, k) is not None}
+    if args.pacing_sub_block:
+        overrides["pacing_sub_block"] = True
     if args.no_prefix_caching:
         overrides["enable_prefix_caching"] = False
     cost = {f.name: getattr(args, "cost_" + f.name) for f in _cost_fields() if getattr(args, "cost_" + f.name) is not None}
@@ -343,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pacing-long-min-share", type=float, metavar="X",
                    help="with --pacing-cap: the least share of a capped step a long prompt keeps "
                         "(PREFILL_GATE_PACING_LONG_MIN_SHARE; default 0.5)")
+    p.add_argument("--pacing-sub-block", action="store_true",
+                   help="with --pacing-cap on an align-mode preset (a hybrid): a capped step may end a "
+                        "chunk inside a KV block, as PREFILL_GATE_PACING_SUB_BLOCK=1")
     p.add_argument("--block-size", type=positive_int, help="KV block size in tokens (default: the preset's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")

@@ -8,7 +8,8 @@ gets its token first; then prompt chunks, first come first served, each capped b
 (prefix caching), and at least the last prompt token is always computed. With
 ``pacing_cap``, it paces like engine_patches' cap mode: while a request decodes, a step's
 prefill is capped, and short prompts go before long ones within the cap
-(``pacing_short_tokens``, ``pacing_long_min_share``: prefill_gate.engine_patches.short_first's rule).
+(``pacing_short_tokens``, ``pacing_long_min_share``: prefill_gate.engine_patches.short_first's rule;
+``pacing_sub_block``: PREFILL_GATE_PACING_SUB_BLOCK, a capped step may end a chunk inside a block).
 
 ``plan()`` is pure arithmetic (tests check it against hand-computed step
 sequences); ``run()`` sleeps each step for the time the ``CostModel`` gives.
@@ -77,11 +78,13 @@ class EngineConfig:
     pacing_cap: int = 0  # engine_patches' cap mode: prefill tokens per step while decoding (0: off)
     pacing_short_tokens: int = 1024  # ... and its short-first rule (0: arrival order)
     pacing_long_min_share: float = 0.5
+    pacing_sub_block: bool = False  # ... and in align mode, chunks that end inside a block while capped
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int = 1 << 16
     # Hybrid models in prefix caching's align mode: a chunk that does not finish its prompt
-    # is whole blocks (vLLM's _mamba_block_aligned_split); none fits: the prompt waits a step.
+    # ends on a block boundary (vLLM's _mamba_block_aligned_split; one that starts inside a
+    # block stops at the next boundary); none fits: the prompt waits a step.
     align_chunks: bool = False
 
 
@@ -206,13 +209,25 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # -------------------------------------------------------------- scheduling
-    def _cap(self, remaining: int, budget: int) -> int:
+    def _cap(self, remaining: int, budget: int, start: int = 0, capped: bool = False) -> int:
+        """The chunk of a prompt with ``remaining`` tokens left from ``start``, in ``budget``."""
         cfg = self.config
         n = min(remaining, budget)
         if cfg.long_prefill_token_threshold > 0:
             n = min(n, cfg.long_prefill_token_threshold)
-        if cfg.align_chunks and cfg.enable_prefix_caching and n < remaining:
-            n -= n % cfg.block_size
+        if cfg.align_chunks and cfg.enable_prefix_caching:
+            block = cfg.block_size
+            prompt_len = start + remaining
+            last = prompt_len - prompt_len % block  # the last boundary whose state is cached
+            next_boundary = (start // block + 1) * block
+            end = start + n
+            if end < last:
+                end = end // block * block
+            stops = (next_boundary if start % block and next_boundary <= last else 0, last)
+            end = min((s for s in stops if start < s < end), default=end)
+            if end <= start and capped and cfg.pacing_sub_block and start < last:
+                end = min(start + n, next_boundary)
+            n = max(end - start, 0)
         return n
 
     def plan(self) -> StepPlan:
@@ -227,13 +242,16 @@ class Engine:
         prefilling = [r for r in self.running if r.prefilling]
         long_ids: set[int] = set()
         long_budget = budget
-        if plan.decodes and cfg.pacing_cap > 0:  # a paced engine (engine_patches, cap)
-            budget = long_budget = min(budget, cfg.pacing_cap)
+        paced = bool(plan.decodes and cfg.pacing_cap > 0)
+        if paced:  # a paced engine (engine_patches, cap)
+            block = self._cap_block()
+            cap = max(block, cfg.pacing_cap // block * block) if block else cfg.pacing_cap
+            budget = long_budget = min(budget, cap)
             if cfg.pacing_short_tokens:
                 prefilling, long_ids, long_budget = self._short_first(prefilling, budget)
         for req in prefilling:  # then running prompts (long ones clamped, as engine_patches)
             room = min(budget, long_budget) if req.id in long_ids else budget
-            n = self._cap(req.prompt_len - req.num_computed, room) if room > 0 else 0
+            n = self._cap(req.prompt_len - req.num_computed, room, req.num_computed, paced) if room > 0 else 0
             if n > 0:
                 plan.chunks.append((req, n))
                 budget -= n
@@ -245,9 +263,9 @@ class Engine:
             if self.config.enable_prefix_caching:
                 hit = self.cache.hit_blocks(req.block_hashes) * self.config.block_size
                 cached = min(hit, req.prompt_len - 1)
-            n = self._cap(req.prompt_len - cached, budget)
+            n = self._cap(req.prompt_len - cached, budget, cached, paced)
             if n == 0:
-                break  # align mode: not one whole block fits this step
+                break  # align mode: the budget does not reach a block boundary
             self.waiting.pop(0)
             if self.config.enable_prefix_caching:
                 req.num_cached = req.num_computed = cached
@@ -255,6 +273,13 @@ class Engine:
             plan.chunks.append((req, n))
             budget -= n
         return plan
+
+    def _cap_block(self) -> int | None:
+        """The unit of a paced step's cap: whole KV blocks in align mode, as engine_patches'
+        Pacer, unless sub-block chunks are allowed."""
+        cfg = self.config
+        aligned = cfg.align_chunks and cfg.enable_prefix_caching and not cfg.pacing_sub_block
+        return cfg.block_size if aligned else None
 
     def _remaining(self, req: SimRequest) -> int:
         if req.num_computed or not self.config.enable_prefix_caching:
@@ -277,8 +302,10 @@ class Engine:
         if waiting_short:
             self.waiting[:256] = short_first_order(self.waiting[:256], {id(r) for r in waiting_short})
         demand = sum(left[id(r)] for r in short + waiting_short)
-        reserve = reserve_for_short(cap, demand, bool(long), cfg.pacing_long_min_share)
-        return long + short, {r.id for r in long}, cap - reserve
+        block = self._cap_block()
+        reserve = reserve_for_short(cap, demand, bool(long), cfg.pacing_long_min_share, block)
+        allowance = max(block, (cap - reserve) // block * block) if block else cap - reserve
+        return long + short, {r.id for r in long}, allowance
 
     def step_seconds(self, plan: StepPlan) -> float:
         t = self.cost.step_seconds([r.context for r in plan.decodes], [(n, r.num_computed) for r, n in plan.chunks])
