@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-L2NORM_EPS = 1e-6
+L2NORM_EPS = tl.constexpr(1e-6)  # as vLLM's l2norm in its recurrent kernel
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # softplus(x) = x above it, as vLLM's kernels
 BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in registers
 
