@@ -1,11 +1,13 @@
-"""Compile the kernel ahead of time for a GPU that is not here, and read its resources.
+"""Compile the kernels ahead of time for a GPU that is not here, and read their resources.
 
     python -m prefill_gate.kernels.aot [--arch 70 80 90] [--dtype fp16] [--head-dim 128]
 
 Triton's own compiler builds PTX and a cubin for the target (``GPUTarget("cuda", arch,
 32)``) on a CPU-only machine; ``ptxas -v`` (shipped with Triton) then reports registers
 and spill traffic per kernel. CI runs this for sm_70, sm_80 and sm_90 and requires no
-spills at head_dim 128 on sm_70 (V100).
+spills at head_dim 128 on sm_70 (V100). The Gated DeltaNet recurrence
+(``gated_delta._gated_delta_kernel``) is built too, at the 27B hybrid's sizes: the compiler
+refuses what Triton's interpreter, where its numerics are tested, lets through.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from prefill_gate.kernels.gated_delta import BLOCK_V, _gated_delta_kernel
 from prefill_gate.kernels.paged_attention import MERGE_ROWS, ROWS, _merge_splits, _tile_attention, launch_config
 
 PTR_ARGS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
@@ -109,6 +112,20 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     return reports
 
 
+def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128) -> Report:
+    """The recurrence at the 27B hybrid's head sizes (16 key and 48 value heads), float32 state."""
+    fn = _gated_delta_kernel
+    constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
+                  "BV": min(triton.next_power_of_2(head_dim), BLOCK_V), "MASK_INITIAL": True}
+    types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
+             "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
+    sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
+           for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return Report(fn.__name__, 4, arch, dtype, head_dim, False, **_ptxas(compiled.asm["ptx"], arch))
+
+
 def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:
     """Every kernel, split and not, for each target (dtype: fp16 on sm_70, bf16 elsewhere)."""
     rows = []
@@ -116,6 +133,7 @@ def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128
         dt = dtype or ("fp16" if arch < 80 else "bf16")
         for split in (True, False):
             rows += [asdict(r) for r in compile_report(arch, dt, head_dim, split=split)]
+        rows.append(asdict(gated_delta_report(arch, dt, head_dim)))
     return rows
 
 

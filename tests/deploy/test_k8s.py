@@ -206,11 +206,13 @@ def test_the_podmonitor_scrapes_what_the_pod_serves():
 
 def test_the_base_paces_and_the_stock_overlay_does_not():
     """The stack's default is step pacing (adaptive 15 ms, short prompts first, full CUDA
-    graphs); the stock overlay turns the engine patches' pacing off and nothing else."""
+    graphs) and the GDN hybrids' recurrent short-prompt steps; the stock overlay turns the
+    engine patches off (pacing and the GDN path) and nothing else."""
     env = {e["name"]: e["value"] for e in containers(base())["vllm"]["env"]}
     assert env["PREFILL_GATE_PACING"] == "adaptive" and env["PREFILL_GATE_PACING_TARGET_ITL_MS"] == "15"
+    assert env["PREFILL_GATE_GDN_RECURRENT"] == "on"
     assert json.loads(flag(containers(base())["vllm"]["args"], "--compilation-config")) == {"cudagraph_mode": "FULL"}
     a, b = containers(base()), containers(stock())
     env_b = {e["name"]: e["value"] for e in b["vllm"]["env"]}
-    assert env_b == {**env, "PREFILL_GATE_PACING": "off"}
+    assert env_b == {**env, "PREFILL_GATE_PACING": "off", "PREFILL_GATE_GDN_RECURRENT": "off"}
     assert a["vllm"]["args"] == b["vllm"]["args"] and a["prefill-gate"] == b["prefill-gate"]

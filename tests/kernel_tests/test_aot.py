@@ -28,6 +28,7 @@ def test_builds_for_every_target(reports):
     for arch in (70, 80, 90):
         assert {(arch, "_tile_attention", True), (arch, "_tile_attention", False),
                 (arch, "_merge_splits", True)} <= built
+        assert (arch, "_gated_delta_kernel", False) in built  # the GDN recurrence, too
     assert {r["dtype"] for r in reports if r["arch"] == 70} == {"fp16"}  # V100 has no bf16
     assert {r["dtype"] for r in reports if r["arch"] != 70} == {"bf16"}
 
@@ -38,3 +39,12 @@ def test_no_spills_at_head_dim_128_on_sm70(reports):
     for r in sm70:
         assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r
         assert 0 < r["registers"] <= 255
+
+
+def test_the_gdn_recurrence_keeps_its_state_tile_in_registers(reports):
+    """A 32 x 128 float32 state tile per program: a spill would put every token's update through
+    local memory."""
+    rows = [r for r in reports if r["kernel"] == "_gated_delta_kernel"]
+    assert {r["arch"] for r in rows} == {70, 80, 90}
+    for r in rows:
+        assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r
