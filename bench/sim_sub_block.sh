@@ -15,10 +15,10 @@ trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done' EXIT
 
 serve() {  # port preset args...
   local port=$1 preset=$2; shift 2
-  $PY -m prefill_gate.proxy sim --preset "$preset" --port "$port" "$@" > "$OUT/sim-$port.log" 2>&1 &
+  $PY -m prefill_gate.proxy sim --preset "$preset" --port "$port" "$@" > "${TMPDIR:-/tmp}/sim-$port.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0; sleep 0.2; done
-  echo "sim on :$port did not start"; cat "$OUT/sim-$port.log"; exit 1
+  echo "sim on :$port did not start"; cat "${TMPDIR:-/tmp}/sim-$port.log"; exit 1
 }
 
 pair() {  # label port
