@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 50, item 2: engine_patches.gdn (PREFILL_GATE_GDN_RECURRENT) against vLLM's own GDN path on
 # the H200, in calls that resume (servers outlive a call, rows in WORK are skipped, DEADLINE: no
-# new row past it). Nothing here has run yet: the first session with a device runs it.
+# new row past it). Run at ef1b4e3: bench/results/gdn/h200/ (the limit 512 came from the sweep).
 #
 #   STAGE=kernel   no model: the GPU tests (kernel against the specification, one mixed step of a
 #                  27B-sized layer through vLLM's core and ours) and bench/gpu/gdn_sweep.py (each
@@ -10,6 +10,9 @@
 #                  scheduler, graphs auto, prefix caching, fp8 KV, budget 2,048): :8001 without the
 #                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on}; rows: greedy answers
 #                  compared, `bench short` with pacing off and with adaptive 15 ms, the seed pair
+#   STAGE=subblock the same two servers (started if not up): PREFILL_GATE_PACING_SUB_BLOCK's GPU
+#                  check on each (bench/gpu/sub_block_compare.py: the same prompts paced in whole
+#                  blocks and below them, next to a stream; answers, a prefix-cache hit, B's gaps)
 #
 #   source .gpu/device_setup.sh setup && STAGE=kernel bash bench/gpu/gdn_h200.sh "$OUT"
 #   source .gpu/device_setup.sh setup && STAGE=hybrid DEADLINE=420 bash bench/gpu/gdn_h200.sh "$OUT"
@@ -19,8 +22,9 @@ STAGE=${STAGE:-kernel}
 WORK=${WORK:-/root/gdn}
 RUNS=${PAIR_RUNS:-3}
 SHORT_DURATION=${SHORT_DURATION:-45}
-mkdir -p "$OUT" "$WORK/$STAGE"
+mkdir -p "$OUT" "$WORK/$STAGE" "$WORK/hybrid"
 RES=$(cd "$WORK/$STAGE" && pwd)
+HYB=$(cd "$WORK/hybrid" && pwd)  # the hybrid servers' pacing control file, shared by their stages
 MODEL=${MODEL:-.gpu/model-hybrid-27b} UTIL=${UTIL:-0.45} KV_BYTES=${KV_BYTES:-10737418240}
 source bench/gpu/lib.sh
 [ -f .gpu/ep/prefill_gate-0.1.0.dist-info/entry_points.txt ] || { say "no .gpu/ep (bench/gpu/dist_info.py)"; exit 2; }
@@ -30,7 +34,7 @@ deadline_passed() { [ "${DEADLINE:-0}" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge 
 PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
 
 pacing() {  # KEY=VALUE...: both servers' pacing settings, through their control file
-  printf '%s\n' "$@" > "$RES/control.env.tmp" && mv "$RES/control.env.tmp" "$RES/control.env"; sleep 1
+  printf '%s\n' "$@" > "$HYB/control.env.tmp" && mv "$HYB/control.env.tmp" "$HYB/control.env"; sleep 1
 }
 
 row() {  # kind label url: one resumable row (short | pair | greedy)
@@ -44,6 +48,8 @@ row() {  # kind label url: one resumable row (short | pair | greedy)
     pair) python3 -m prefill_gate bench overlap --base-url "$url" --model m --runs "$RUNS" --label "$label" \
             --json "$RES/pair-$label.json" --plot "$RES/pair-$label.png" 2>&1 | grep -v '^\[overlap\]' ;;
     greedy) python3 bench/gpu/greedy_compare.py http://127.0.0.1:8001 "$url" --json "$RES/greedy-$label.json" ;;
+    subblock) python3 bench/gpu/sub_block_compare.py "$url" --control "$HYB/control.env" \
+                --json "$RES/subblock-$label.json" ;;
   esac | tee -a "$RES/bench.log"
 }
 
@@ -56,13 +62,13 @@ case $STAGE in
     tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
       2>&1 | tee "$RES/sweep.txt" ;;
-  hybrid)
+  hybrid|subblock)
     if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then
       COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
               --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
               --max-num-batched-tokens 2048 --scheduler-cls "$PACED_CLS")
       pacing PREFILL_GATE_PACING=off
-      export PREFILL_GATE_PACING_CONTROL_FILE=$RES/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10
+      export PREFILL_GATE_PACING_CONTROL_FILE=$HYB/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10
       PREFILL_GATE_GDN_RECURRENT=off start_server vllm-gdn 8001 "${COMMON[@]}"
       sleep 15
       PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
@@ -71,7 +77,13 @@ case $STAGE in
       done
       say "servers healthy"
     fi
-    grep -h "prefill-gate" "$RES"/server-*.log | grep -i "gated deltanet\|CUDA graphs" | sort -u | tee "$RES/patches.txt"
+    grep -h "prefill-gate" "$RES"/server-*.log "$HYB"/server-*.log 2>/dev/null | grep -i "gated deltanet\|CUDA graphs" \
+      | sort -u | tee "$RES/patches.txt"
+    if [ "$STAGE" = subblock ]; then
+      row subblock vllm-gdn http://127.0.0.1:8001
+      row subblock ours-gdn http://127.0.0.1:8002
+      pack_results "gdn-$STAGE"; exit 0
+    fi
     pacing PREFILL_GATE_PACING=off
     row greedy ours-gdn http://127.0.0.1:8002
     row short vllm-gdn http://127.0.0.1:8001
@@ -81,6 +93,6 @@ case $STAGE in
     row short paced-ours-gdn http://127.0.0.1:8002
     row pair paced-ours-gdn http://127.0.0.1:8002
     row pair paced-vllm-gdn http://127.0.0.1:8001 ;;
-  *) say "STAGE must be kernel or hybrid"; exit 2 ;;
+  *) say "STAGE must be kernel, hybrid or subblock"; exit 2 ;;
 esac
 pack_results "gdn-$STAGE"

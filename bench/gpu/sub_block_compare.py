@@ -1,0 +1,127 @@
+"""PREFILL_GATE_PACING_SUB_BLOCK on a GPU: the same prompts prefilled in whole blocks and below them.
+
+    python3 bench/gpu/sub_block_compare.py URL --control FILE --json OUT.json [--block 1568]
+
+On one paced hybrid server (its pacing read from the control file this script rewrites), each
+mode runs the same scenario: stream B decodes, so pacing bounds every step; prompt A (3.5 blocks)
+arrives and prefills in bounded steps, then prompt C, A's first two blocks and a tail of its own,
+hits the blocks A left in the prefix cache. Modes: `whole`, cap one block (what align mode
+allowed), and `sub`, cap 256 with SUB_BLOCK=1 (A's chunks end inside blocks). A per-mode
+`cache_salt` keeps one mode's blocks from serving the other. A state slot read or cached wrong
+shows as answers that part at once; rounding (chunk boundaries move) may part them late, on
+random weights where near ties are common. Recorded per mode: A's and C's greedy token ids, C's
+cached prompt tokens (>= 2 blocks when the hit happened), B's gaps while A prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from prefill_gate.proxy.bench.report import environment  # noqa: E402
+
+MODES = {
+    "whole": "PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS={block}\nPREFILL_GATE_PACING_SUB_BLOCK=0\n",
+    "sub": "PREFILL_GATE_PACING=cap\nPREFILL_GATE_PACING_CAP_TOKENS=256\nPREFILL_GATE_PACING_SUB_BLOCK=1\n",
+}
+
+
+def texts(block: int, seed: int = 0) -> tuple[str, str]:
+    rng = random.Random(seed)
+    words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+
+    def text(n: int) -> str:
+        out = ""
+        while len(out) < n:
+            out += rng.choice(words) + " "
+        return out[:n]
+
+    a = text(block * 7 // 2)  # the character-level test tokenizer: one character, one token
+    return a, a[:2 * block] + text(block + 300)
+
+
+async def complete(c: httpx.AsyncClient, url: str, prompt: str, salt: str) -> dict:
+    r = await c.post(url + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, "seed": 0, "ignore_eos": True,
+        "return_token_ids": True, "cache_salt": salt})
+    r.raise_for_status()
+    body = r.json()
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return {"token_ids": body["choices"][0].get("token_ids"), "cached_tokens": details.get("cached_tokens")}
+
+
+async def stream_b(c: httpx.AsyncClient, url: str, started: asyncio.Event, stamps: list[float]) -> None:
+    async with c.stream("POST", url + "/v1/completions", json={
+            "model": "m", "prompt": "a stream that decodes throughout", "max_tokens": 600, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.perf_counter())
+                started.set()
+
+
+async def scenario(url: str, mode: str, a_text: str, c_text: str) -> dict:
+    async with httpx.AsyncClient(timeout=300) as c:
+        started, stamps = asyncio.Event(), []
+        b = asyncio.create_task(stream_b(c, url, started, stamps))
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(0.3)
+        t0 = time.perf_counter()
+        a = await complete(c, url, a_text, f"sub-block-{mode}")
+        t1 = time.perf_counter()
+        cc = await complete(c, url, c_text, f"sub-block-{mode}")
+        b.cancel()
+    gaps = [(y - x) * 1e3 for x, y in zip(stamps, stamps[1:]) if t0 <= y <= t1]
+    return {"a": a, "c": cc, "a_seconds": t1 - t0, "b_gaps_during_a_ms": {
+        "n": len(gaps), "p50": sorted(gaps)[len(gaps) // 2] if gaps else None, "max": max(gaps, default=None)}}
+
+
+def parts_at(x: list | None, y: list | None) -> int | None:
+    if x is None or y is None:
+        return None
+    return next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None if len(x) == len(y) else min(len(x), len(y)))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url")
+    p.add_argument("--control", required=True, help="the server's PREFILL_GATE_PACING_CONTROL_FILE")
+    p.add_argument("--block", type=int, default=1568)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    url = args.url.rstrip("/")
+    a_text, c_text = texts(args.block)
+    runs = {}
+    for mode, control in MODES.items():
+        Path(args.control + ".tmp").write_text(control.format(block=args.block))
+        Path(args.control + ".tmp").replace(args.control)
+        time.sleep(1.0)  # the scheduler polls the file every 0.2 s
+        runs[mode] = asyncio.run(scenario(url, mode, a_text, c_text))
+        r = runs[mode]
+        print(f"{mode}: A {r['a_seconds']:.2f} s, B's gaps during A p50/max {r['b_gaps_during_a_ms']['p50']}/"
+              f"{r['b_gaps_during_a_ms']['max']} ms, C cached {r['c']['cached_tokens']}", flush=True)
+    whole, sub = runs["whole"], runs["sub"]
+    verdict = {
+        "a_identical": whole["a"]["token_ids"] == sub["a"]["token_ids"],
+        "a_parts_at": parts_at(whole["a"]["token_ids"], sub["a"]["token_ids"]),
+        "c_identical": whole["c"]["token_ids"] == sub["c"]["token_ids"],
+        "c_parts_at": parts_at(whole["c"]["token_ids"], sub["c"]["token_ids"]),
+        "c_hit_both": all((r["c"]["cached_tokens"] or 0) >= 2 * args.block for r in runs.values()),
+    }
+    print(json.dumps(verdict))
+    Path(args.json).write_text(json.dumps({"bench": "sub_block_compare", "url": url, "block": args.block,
+                                           "runs": runs, **verdict, **environment()}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
