@@ -61,6 +61,7 @@ case $STAGE in
       tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
+      --shapes "${SHAPES:-32x1,16x1,8x1,32x2,16x2}" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid|subblock)
     if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then

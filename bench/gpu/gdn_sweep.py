@@ -1,6 +1,7 @@
 """One Gated DeltaNet layer's core, vLLM 0.26's path against engine_patches.gdn's, per prompt length.
 
     python3 bench/gpu/gdn_sweep.py --json OUT.json [--lens 16,64,128,256,512,1024] [--decodes 4]
+        [--shapes 32x1,16x1,32x2,16x2]
 
 A layer the size of the 27B hybrid's (tests/engine/gdn_gpu.py) runs one mixed step, `--decodes`
 streams and one prompt of each length, both ways from the same states; per length: each path's
@@ -8,7 +9,9 @@ time per call until the calls returned (the host launching) and until the GPU fi
 as a mixed step's GDN cores run), and how far ours is from vLLM's (relative max error of the
 outputs and the states; whether the decodes' outputs and the conv states are identical). A
 step runs 48 such cores: where ``ours_wall_ms`` stays under ``stock_wall_ms`` the patch pays,
-and that crossover is what PREFILL_GATE_GDN_RECURRENT's limit should be.
+and that crossover is what PREFILL_GATE_GDN_RECURRENT's limit should be. ``--shapes``: our
+kernel's launch shapes to compare, BLOCK_VxSTAGES (value rows per program x the token loop's
+pipeline depth; the first is the one the patch uses).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
-COLUMNS = [("prompt", "prompt tokens"), ("stock_wall_ms", "vLLM ms"), ("ours_wall_ms", "ours ms"),
+COLUMNS = [("prompt", "prompt tokens"), ("shape", "ours: BVxSTAGES"), ("stock_wall_ms", "vLLM ms"), ("ours_wall_ms", "ours ms"),
            ("stock_host_ms", "vLLM host ms"), ("ours_host_ms", "ours host ms"), ("out_rel", "out rel err"),
            ("state_rel", "state rel err"), ("decode_out_equal", "decodes identical")]
 
@@ -31,15 +34,19 @@ def main() -> int:
     p.add_argument("--lens", default="16,64,128,256,384,512,1024,2048")
     p.add_argument("--decodes", type=int, default=4)
     p.add_argument("--runs", type=int, default=30, help="timed calls per path and length")
+    p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES, comma-separated")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     from tests.engine.gdn_gpu import compare_paths
 
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     rows = []
     for n in (int(x) for x in args.lens.split(",")):
-        r = compare_paths(prompt_lens=[n], decodes=args.decodes, timing_runs=args.runs)
-        rows.append({"prompt": n, **r})
-        print(f"[gdn] {n}: {r}", file=sys.stderr, flush=True)
+        for block_v, stages in shapes:
+            r = compare_paths(prompt_lens=[n], decodes=args.decodes, timing_runs=args.runs,
+                              launch={"block_v": block_v, "stages": stages})
+            rows.append({"prompt": n, "shape": f"{block_v}x{stages}", **r})
+            print(f"[gdn] {n} {block_v}x{stages}: {r}", file=sys.stderr, flush=True)
     print(table(rows, COLUMNS))
     Path(args.json).write_text(json.dumps({"bench": "gdn_sweep", "decodes": args.decodes, "rows": rows,
                                            **environment()}, indent=1, default=float) + "\n")

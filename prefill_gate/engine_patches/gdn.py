@@ -77,9 +77,10 @@ def eligible(metadata, limit: int) -> bool:
             and metadata.non_spec_query_start_loc is not None)
 
 
-def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm) -> None:
+def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, **launch) -> None:
     """The layer's core for an eligible step: vLLM's convolution, then one recurrent launch
-    for every sequence. ``vllm``: ``_vllm.gdn_internals()``."""
+    for every sequence. ``vllm``: ``_vllm.gdn_internals()``; ``launch``: the kernel's launch
+    shape (``block_v``, ``stages``; its defaults unless a benchmark compares others)."""
     from prefill_gate.kernels.gated_delta import gated_delta_recurrent
 
     tokens = metadata.num_actual_tokens
@@ -102,7 +103,7 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm) -> Non
     gated_delta_recurrent(
         q, k, v, _rows(a[:tokens]), _rows(b[:tokens]), layer.A_log, layer.dt_bias, ssm_state,
         metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
-        metadata.has_initial_state[:seqs], out=core_attn_out[:tokens])
+        metadata.has_initial_state[:seqs], out=core_attn_out[:tokens], **launch)
 
 
 def _rows(x):

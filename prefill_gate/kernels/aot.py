@@ -112,18 +112,19 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     return reports
 
 
-def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128) -> Report:
-    """The recurrence at the 27B hybrid's head sizes (16 key and 48 value heads), float32 state."""
+def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stages: int = 1) -> Report:
+    """The recurrence at the 27B hybrid's head sizes (16 key and 48 value heads), float32 state;
+    ``stages`` > 1: its token loop software-pipelined (reported as ``split``)."""
     fn = _gated_delta_kernel
     constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
-                  "BV": min(triton.next_power_of_2(head_dim), BLOCK_V), "MASK_INITIAL": True}
+                  "BV": min(triton.next_power_of_2(head_dim), BLOCK_V), "MASK_INITIAL": True, "STAGES": stages}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    return Report(fn.__name__, 4, arch, dtype, head_dim, False, **_ptxas(compiled.asm["ptx"], arch))
+    return Report(fn.__name__, 4, arch, dtype, head_dim, stages > 1, **_ptxas(compiled.asm["ptx"], arch))
 
 
 def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:
@@ -133,7 +134,7 @@ def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128
         dt = dtype or ("fp16" if arch < 80 else "bf16")
         for split in (True, False):
             rows += [asdict(r) for r in compile_report(arch, dt, head_dim, split=split)]
-        rows.append(asdict(gated_delta_report(arch, dt, head_dim)))
+        rows += [asdict(gated_delta_report(arch, dt, head_dim, stages)) for stages in (1, 2)]
     return rows
 
 

@@ -47,7 +47,7 @@ BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in 
 def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, state_indices, has_initial,
                         stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_slot, scale,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr):
+                        BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr, STAGES: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -76,7 +76,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
 
     decay = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    for t in range(bos, eos):
+    for t in tl.range(bos, eos, num_stages=STAGES):  # STAGES > 1: the next tokens' loads in flight
         b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
@@ -106,7 +106,8 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                           A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                           cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
                           has_initial: torch.Tensor | None = None, *, scale: float | None = None,
-                          out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                          out: torch.Tensor | None = None, num_warps: int = 4, block_v: int = BLOCK_V,
+                          stages: int = 1) -> torch.Tensor:
     """Run the gated delta rule over every sequence of a step; update ``state`` in place.
 
     q, k     [tokens, H, K]       (token stride free, heads packed: views of the conv output)
@@ -119,6 +120,9 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                                   a slot <= 0 skips the sequence (output left as it was)
     cu_seqlens [N + 1] int32      sequence n owns tokens [cu_seqlens[n], cu_seqlens[n + 1])
     out      [tokens, HV, V]      (allocated in v's dtype when None) -> returned
+    block_v, stages               launch shape: value rows of the state per program (a power
+                                  of two), and software-pipeline depth of the token loop (1:
+                                  none); the numerics do not depend on them
 
     Nothing here reads a device value on the host: the launch never waits for the GPU."""
     tokens, H, K = q.shape
@@ -140,13 +144,15 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     if n <= 0 or tokens == 0:
         return out
     block_k = triton.next_power_of_2(K)
-    block_v = min(triton.next_power_of_2(V), BLOCK_V)
+    if block_v < 1 or block_v & (block_v - 1) or stages < 1:
+        raise ValueError(f"block_v must be a power of two and stages >= 1, got {block_v}, {stages}")
+    block_v = min(triton.next_power_of_2(V), block_v)
     grid = (triton.cdiv(V, block_v), n * HV)
     _gated_delta_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
         has_initial if has_initial is not None else state_indices,
         *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
         K ** -0.5 if scale is None else scale,
-        H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None,
+        H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None, STAGES=stages,
         num_warps=num_warps)
     return out

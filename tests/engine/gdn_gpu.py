@@ -71,10 +71,11 @@ def make_metadata(decodes: int, prompt_lens: list[int], slots: list[int], has_in
 
 
 def compare_paths(prompt_lens: list[int], decodes: int, seed: int = 0, timing_runs: int = 0, device="cuda",
-                  sizes: dict | None = None) -> dict:
+                  sizes: dict | None = None, launch: dict | None = None) -> dict:
     """Run one step both ways; relative max errors of the outputs and the states, whether the
     decodes' outputs are identical, and (``timing_runs``) each path's time per call: until the
-    calls returned (the host launching) and until the GPU finished (states reused, not reset)."""
+    calls returned (the host launching) and until the GPU finished (states reused, not reset).
+    ``launch``: our kernel's launch shape (block_v, stages)."""
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as qwen
 
     from prefill_gate.engine_patches import _vllm, gdn
@@ -111,7 +112,7 @@ def compare_paths(prompt_lens: list[int], decodes: int, seed: int = 0, timing_ru
             if fresh:
                 layer.kv_cache = tuple(t.clone() for t in start)
             out = torch.zeros(tokens, HV, V, dtype=torch.bfloat16, device=device)
-            gdn.recurrent_core(layer, mixed, b, a, out, md, internals)
+            gdn.recurrent_core(layer, mixed, b, a, out, md, internals, **(launch or {}))
             return out, layer.kv_cache
 
         (o1, (c1, s1)), (o2, (c2, s2)) = stock(), ours()

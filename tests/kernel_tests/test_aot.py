@@ -28,7 +28,8 @@ def test_builds_for_every_target(reports):
     for arch in (70, 80, 90):
         assert {(arch, "_tile_attention", True), (arch, "_tile_attention", False),
                 (arch, "_merge_splits", True)} <= built
-        assert (arch, "_gated_delta_kernel", False) in built  # the GDN recurrence, too
+        assert {(arch, "_gated_delta_kernel", False), (arch, "_gated_delta_kernel", True)} <= built  # GDN, plain
+        # and with its token loop pipelined
     assert {r["dtype"] for r in reports if r["arch"] == 70} == {"fp16"}  # V100 has no bf16
     assert {r["dtype"] for r in reports if r["arch"] != 70} == {"bf16"}
 
@@ -45,6 +46,6 @@ def test_the_gdn_recurrence_keeps_its_state_tile_in_registers(reports):
     """A 32 x 128 float32 state tile per program: a spill would put every token's update through
     local memory."""
     rows = [r for r in reports if r["kernel"] == "_gated_delta_kernel"]
-    assert {r["arch"] for r in rows} == {70, 80, 90}
+    assert {(r["arch"], r["split"]) for r in rows} == {(a, p) for a in (70, 80, 90) for p in (False, True)}
     for r in rows:
         assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r

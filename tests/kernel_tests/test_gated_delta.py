@@ -61,6 +61,23 @@ def test_a_mixed_step_matches_the_specification():
     assert not torch.allclose(ref_stale[10:22], ref_out[10:22], atol=1e-3)
 
 
+@pytest.mark.parametrize("block_v,stages", [(8, 1), (16, 2), (32, 3)])
+def test_the_launch_shape_does_not_change_the_numbers(block_v, stages):
+    """Value rows per program and the token loop's pipeline depth are speed knobs (the H200
+    sweep compares them): every shape gives the same bits as the default."""
+    lens = [1, 1, 9, 5]
+    step = make_step(lens, V=32)
+    indices = torch.tensor([3, 5, 2, 6], dtype=torch.int32)
+    has_initial = torch.tensor([True, True, False, True])
+    base_state, state = step["state"].clone(), step["state"].clone()
+    base = gated_delta_recurrent(**{**step, "state": base_state}, state_indices=indices, has_initial=has_initial)
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
+                                block_v=block_v, stages=stages)
+    assert torch.equal(out, base) and torch.equal(state, base_state)
+    with pytest.raises(ValueError, match="power of two"):
+        gated_delta_recurrent(**step, state_indices=indices, block_v=24)
+
+
 @pytest.mark.parametrize("dtype,state_dtype,tol", [(torch.bfloat16, torch.float32, 2e-2),
                                                    (torch.float16, torch.bfloat16, 3e-2)])
 def test_half_precision_inputs_and_states(dtype, state_dtype, tol):
