@@ -381,8 +381,8 @@ class _PacingMixin:
         ends inside a block leaves the state in that block's slot, the next chunk continues
         from the same slot, and the chunk that reaches the boundary ends on it (vLLM's own
         split stops a chunk that starts inside a block at the next boundary), so the state a
-        cached block holds is its boundary's. Prompts whose remaining tokens end before the
-        last full block are vLLM's to split (it takes them whole)."""
+        cached block holds is its boundary's. From the prompt's last full block on, vLLM does
+        not align chunks at all, so nothing is left to do there."""
         block = self.cache_config.block_size
         start = request.num_computed_tokens + local_computed + external_computed
         last_cached = request.num_tokens - request.num_tokens % block
