@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefill_gate.proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, fit_cost
+from prefill_gate.proxy import slicer
+from prefill_gate.proxy.slicer import COST_KEPT, COST_MIN_SLICES, SliceSizer, find_step, fit_cost
 
 # A cost of the H200's shape (section 11 of the old docs/RESULTS.md, in git history: 8,192 tokens at an empty
 # prefix ~52 ms, 1,024 after 28k ~38 ms): 6 ms a step, 1.4 us a token, 1.03 ns a token of
@@ -118,18 +119,92 @@ def test_sizes_stay_within_bounds_and_blocks():
     assert s.size(16, 0) == 768
 
 
-def h200_cliff_slices() -> list[tuple[int, int, float]]:
-    data = json.loads((Path(__file__).parent / "fixtures" / "slices-h200-cliff.json").read_text())
+def fixture_slices(name: str) -> list[tuple[int, int, float]]:
+    data = json.loads((Path(__file__).parent / "fixtures" / name).read_text())
     return [(n, p, gap / 1000) for n, p, gap in data["slices"]]
 
 
-def test_slices_straddling_the_engines_graph_step_are_refused_as_a_line():
-    """Real slices (H200, 12 users): ~500-600 tokens, some at 16 ms (steps within vLLM's
-    512-token CUDA graph) and most at ~40 ms. A line through both clusters has a negative
-    fixed part and calls every larger slice too dear: refused."""
+def h200_cliff_slices() -> list[tuple[int, int, float]]:
+    return fixture_slices("slices-h200-cliff.json")
+
+
+def no_step(monkeypatch):
+    """The cost model as one line through every slice, as before steps were found."""
+    monkeypatch.setattr(slicer, "find_step", lambda obs, line=None: (0, 0.0))
+
+
+def test_a_step_in_the_engines_cost_is_found_and_kept_out_of_the_line(monkeypatch):
+    """Real slices (H200, 12 users): ~500-600 tokens, those within vLLM's 512-token CUDA
+    graph (beside 12 decode rows: at most 500 new tokens) at 14-18 ms, the others at ~40 ms.
+    The step is found where it is; the line is the dear slices' own, and a slice is the
+    largest above the step that keeps the aim, else the largest below it."""
     obs = h200_cliff_slices()
-    assert min(n for n, _, _ in obs) < 512 < max(n for n, _, _ in obs)
+    fit = fit_cost(obs)
+    assert fit.step_at == 496 and fit.step_gap == max(g for n, _, g in obs if n <= 496) < 0.019
+    assert 0.030 < fit.a < 0.050 and fit.b >= 0 and fit.largest == 640
+    errors = sorted(g - fit.gap(n, p) for n, p, g in obs if n > 496)
+    assert errors[len(errors) // 2] < fit.margin < 0.010  # a high quantile of the dear slices' own errors, not the step's 25 ms
+    sizer = SliceSizer(target_s=0.045, min_tokens=256, max_tokens=4096, max_gap_s=0.050, history=list(obs), _stale=True)
+    assert 496 < sizer.size(16, 0) <= 1.5 * 640  # above the step: ~43 ms predicted
+    sizer = SliceSizer(target_s=0.030, min_tokens=256, max_tokens=4096, max_gap_s=0.050, history=list(obs), _stale=True)
+    assert sizer.size(16, 0) == 496  # 30 ms: nothing above the step keeps it; 496 tokens do, at 18 ms
+    no_step(monkeypatch)  # one line through both clusters: a negative fixed part, refused
     assert fit_cost(obs) is None
+
+
+def test_a_smooth_cost_shows_no_step():
+    rng = random.Random(2)
+    obs = [(n, p, true_gap(n, p) * rng.uniform(0.9, 1.1))
+           for n, p in ((rng.randrange(256, 4096), rng.randrange(0, 19000)) for _ in range(64))]
+    assert find_step(obs, fit_cost(obs)) == (0, 0.0) and fit_cost(obs).step_at == 0
+    # Small slices deep in a prompt cost more than large ones near its start: context, not a step.
+    obs = [(n, p, true_gap(n, p)) for n, p in [(512, 0), (2048, 512), (1024, 4000), (3000, 9000),
+                                                (800, 15000), (1500, 18000), (600, 19000), (4096, 0)]]
+    assert fit_cost(obs).step_at == 0
+
+
+def step_world(n: int, p: int, rng: random.Random) -> float:
+    """The seed pair's stock vLLM on the H200 as the cold run saw it: slices within the
+    CUDA graph (<= 496 new tokens beside one stream) at ~14 ms, larger ones ~40-50 ms."""
+    context = 0.25e-9 * n * (p + n / 2)
+    if n <= 496:
+        return 0.013 + context + rng.uniform(0, 0.003)
+    return 0.038 + 6e-6 * n + context + rng.uniform(-0.004, 0.006)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cold_sizer_is_not_locked_at_the_smallest_slice_by_the_step(monkeypatch, seed):
+    """The seed pair's first prompt on a new proxy (H200, commit f8e2c18): at its 8th slice the
+    first model, one line through a 432-token slice at 14 ms and 512-768-token ones at 39-53 ms,
+    put the step on the context term with a 9-26 ms margin, and every later slice fell to the
+    smallest size: 79 slices for 28.6k tokens in 3.6 s (the third prompt: 24 in 1.6 s)."""
+    real = fixture_slices("slices-h200-cold.json")
+    assert [n for n, _, _ in real[8:20]] == [256] * 12  # what the proxy did
+
+    def first_prompt() -> list[tuple[int, float]]:
+        rng = random.Random(seed)
+        s = SliceSizer(target_s=0.045, min_tokens=256, max_tokens=4096, tokens=512, max_gap_s=0.050)
+        seen = []
+        for n, p, g in real[:8]:  # the real first slices, then the world above
+            assert s.size(16, p) == n
+            s.after(g, n, p)
+            seen.append((n, g))
+        done = real[8][1]
+        while done < 28_592:
+            n = min(28_592 - done, s.size(16, done))
+            g = step_world(n, done, rng)
+            s.after(g, n, done)
+            seen.append((n, g))
+            done += n
+        return seen
+
+    found = first_prompt()
+    assert found[8][0] == 688  # no line holds above the step yet: the gap rule, from 768 at 49.7 ms
+    assert min(n for n, _ in found[8:-1]) >= 432 and len(found) <= 66  # the largest slice below the step, at least
+    no_step(monkeypatch)
+    locked = first_prompt()
+    assert locked[8][0] == 256 and sum(n == 256 for n, _ in locked) >= 40  # what the H200 saw
+    assert len(locked) >= 75
 
 
 def test_the_sizer_keeps_its_last_fit_while_new_slices_admit_none():

@@ -339,7 +339,9 @@ class GatedExchange(Exchange):
                      "cost model %s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
                      [None if g is None else round(g * 1000, 1) for g in run.gaps],
                      "none yet" if fit is None else
-                     f"a={fit.a * 1000:.2f} ms b={fit.b * 1e6:.3f} us c={fit.c * 1e9:.4f} ns margin={fit.margin * 1000:.1f} ms")
+                     f"a={fit.a * 1000:.2f} ms b={fit.b * 1e6:.3f} us c={fit.c * 1e9:.4f} ns margin={fit.margin * 1000:.1f} ms"
+                     + (f", a step at {fit.step_at} tokens ({fit.step_gap * 1000:.1f} ms at most below it)"
+                        if fit.step_at else ""))
         if run.stopped:
             log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,
                         run.tokens, len(ids), run.stopped)

@@ -132,6 +132,13 @@ COST_TAIL_QUANTILE = 0.97
 # A size no larger than this many times the largest slice the model was fitted to: it
 # extrapolates only so far.
 COST_EXTRAPOLATE = 1.5
+# A step in the engine's cost: vLLM replays a CUDA graph for a step within its largest
+# captured size (512 tokens by default) and runs a larger one eagerly, so on the H200 a
+# 496-token slice cost the streams ~14-18 ms and a 512-640-token one ~40-50 ms. Slices whose
+# gaps all stay under STEP_RATIO of the median gap of the slices just above them (at most
+# STEP_SPAN times their size) ran below such a step.
+STEP_RATIO = 0.6
+STEP_SPAN = 1.5
 
 
 @dataclass(frozen=True)
@@ -139,13 +146,19 @@ class CostFit:
     """``gap = a + b*n + c*n*(p + n/2)`` in seconds: the largest protected gap while a slice
     of ``n`` new tokens after a cached prefix of ``p`` runs (a step's fixed part, the slice's
     per-token work, its attention over the context: ``n`` tokens at a mean context of
-    ``p + n/2``). ``margin``: the recent errors' high quantile (seconds, >= 0)."""
+    ``p + n/2``). ``margin``: the recent errors' high quantile (seconds, >= 0).
+
+    Where the slices show a step in the engine's cost (``find_step``), the line is fitted to
+    the slices above it and holds for sizes above ``step_at``; ``step_gap`` is what slices of
+    at most ``step_at`` tokens cost."""
 
     a: float
     b: float
     c: float
     margin: float
     largest: int  # the largest slice among the fitted ones
+    step_at: int = 0  # slices of at most this many tokens ran below a step in the cost (0: none seen)
+    step_gap: float = 0.0  # their largest gap, seconds
 
     def gap(self, n: int, p: int) -> float:
         return self.a + self.b * n + self.c * n * (p + n / 2)
@@ -162,6 +175,28 @@ class CostFit:
         return 2 * room / (slope + (slope * slope + 2 * self.c * room) ** 0.5)
 
 
+def find_step(obs: Sequence[tuple[int, int, float]], line: CostFit | None = None) -> tuple[int, float]:
+    """``(step_at, step_gap)``: the largest size ``t`` at which the engine's cost steps up,
+    and the largest gap of the slices of at most ``t`` tokens; ``(0, 0.0)`` when the slices
+    show no step. The slices of at most ``t`` tokens must all cost less than ``STEP_RATIO``
+    of: what ``line`` (one line fitted to every slice) predicts for each, or, where no line
+    fits, the median gap of the slices of ``t`` to ``STEP_SPAN * t`` tokens after no longer a
+    prefix. A smooth cost cannot pass: a line explains it, slices deeper into a prompt
+    included."""
+    sizes = sorted({n for n, _, _ in obs})
+    for t in reversed(sizes[:-1]):
+        below = [(n, p, g) for n, p, g in obs if n <= t]
+        if line is not None:
+            cheap = all(g < STEP_RATIO * line.gap(n, p) for n, p, g in below)
+        else:
+            deepest = max(p for _, p, _ in below)
+            above = sorted(g for n, p, g in obs if t < n <= STEP_SPAN * t and p <= deepest)
+            cheap = bool(above) and max(g for _, _, g in below) < STEP_RATIO * above[len(above) // 2]
+        if cheap:
+            return t, max(g for _, _, g in below)
+    return 0, 0.0
+
+
 def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
              tail_quantile: float = COST_TAIL_QUANTILE) -> CostFit | None:
     """Weighted least squares of ``CostFit``'s model over ``(n, p, gap_s)`` observations,
@@ -171,9 +206,23 @@ def fit_cost(obs: Sequence[tuple[int, int, float]], decay: float = COST_DECAY,
 
     The engine's cost is not one line: a step within its largest CUDA graph (vLLM: 512
     tokens) replays the graph and one just over it does not (on the H200, ~16 ms for 496
-    new tokens beside 12 streams, ~40 ms for 512). Slices on both sides of that step fit
-    a line through both clusters, with a negative fixed part and a slope that calls any
-    larger slice too dear: refused (``SliceSizer`` keeps its last fit)."""
+    new tokens beside 12 streams, ~40 ms for 512). One line through both clusters has a
+    negative fixed part, or puts the difference on the context term with errors that become
+    a margin as large as the step itself, and then calls every slice too dear (seen on the
+    H200: a proxy's first prompt sliced at the smallest size, 3.6 s for 28.6k tokens against
+    1.6 s once the model held). So the slices below a step (``find_step``) are kept out of the
+    line and summed up by ``step_at`` and ``step_gap``."""
+    line = _fit_line(obs, decay, tail_quantile)
+    step_at, step_gap = find_step(obs, line)
+    if not step_at:
+        return line
+    fit = _fit_line([o for o in obs if o[0] > step_at], decay, tail_quantile)
+    if fit is None:
+        return None
+    return replace(fit, largest=max(n for n, _, _ in obs), step_at=step_at, step_gap=step_gap)
+
+
+def _fit_line(obs: Sequence[tuple[int, int, float]], decay: float, tail_quantile: float) -> CostFit | None:
     if len(obs) < 2:
         return None
     rows = [(decay ** age, (1.0, n / 1e3, n * (p + n / 2) / 1e7), gap)  # features of similar magnitudes
@@ -227,7 +276,9 @@ class SliceSizer:
     less the model's recent errors' high quantile (the promise is about the worst gap, not
     the typical one). The model carries from one prompt to the next and knows that the
     same slice costs more deeper into a prompt, so early slices are large and late ones
-    small from the start, with no overshoot while a size is found again.
+    small from the start, with no overshoot while a size is found again. Where the engine's
+    cost steps up past a size (its CUDA graphs), and no size above the step keeps the aim,
+    a slice is the largest seen below the step, if those kept it.
 
     Until then (and whenever no fit grows with the slice), the size moves with each slice's
     gap, multiplicatively: at most 1.5x up or 2x down per slice, so a noisy gap cannot swing
@@ -272,7 +323,10 @@ class SliceSizer:
         already cached (where the slice starts)."""
         fit = self.model()
         if fit is not None:
-            want = min(fit.tokens_within(self.aim_s(fit), prefix), COST_EXTRAPOLATE * fit.largest)
+            aim = self.aim_s(fit)
+            want = min(fit.tokens_within(aim, prefix), COST_EXTRAPOLATE * fit.largest)
+            if want <= fit.step_at and fit.step_gap <= aim:
+                want = fit.step_at  # no size above the step keeps the aim; the largest below it does
             self.tokens = int(min(self.max_tokens, max(self.min_tokens, want)))
         lo = -(-self.min_tokens // block) * block
         return max(lo, min(self.tokens, self.max_tokens) // block * block)
