@@ -17,6 +17,7 @@
 #          --max-num-seqs 256; the stack row of run ee9ed4e had graphs up to 8192, see its README)
 # Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
 # call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
+# ROWS, PARTS: what to run (default: every row, every part).
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
 # end, a steady part ~3 minutes; the device kills a call at 600 s); 0: no limit.
 set -u
@@ -25,6 +26,7 @@ MODEL=${MODEL:-.gpu/model-qwen3-8b}
 UTIL=${UTIL:-0.2}
 KV_BYTES=${KV_BYTES:-17179869184}
 ROWS=${ROWS:-direct,proxy,stack,hold}
+PARTS=${PARTS:-pair,sparse,steady}
 WORK=${WORK:-/root/defaults}
 [ "${DRY_RUN:-0}" = 1 ] && WORK=${WORK_DRY:-$OUT/work}
 DURATION=${DURATION:-120}
@@ -88,9 +90,9 @@ if [ "${DEADLINE:-0}" -gt 0 ]; then
   BUDGET=$(( DEADLINE - ($(date +%s) - t0) ))
   [ "$BUDGET" -gt 0 ] || { say "no time left for a part before DEADLINE"; BUDGET=0.001; }
 fi
-say "bench defaults: $ROWS (parts start within $BUDGET s)"
+say "bench defaults: $ROWS, $PARTS (parts start within $BUDGET s)"
 python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
-  --model m --work "$RES" --rows "$ROWS" --duration "$DURATION" --baseline-duration "$BASELINE" \
+  --model m --work "$RES" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
   --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
