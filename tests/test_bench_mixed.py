@@ -141,6 +141,8 @@ def test_summarize_per_class_and_against_alone():
     assert s["long_x_max"] == pytest.approx(3.0)
     assert s["long_within_slo_share"] == pytest.approx(1 / 3)  # one of three within 2x alone
     assert sum(s["gap_hist"]) == 102
+    assert s["worst_gaps"][0] == [0.3, pytest.approx(265), 0] and len(s["worst_gaps"]) == 12
+    assert [g for _, g, _ in s["worst_gaps"]] == sorted((g for _, g, _ in s["worst_gaps"]), reverse=True)
     assert s["errors"] == ["HTTP 503"]
 
 

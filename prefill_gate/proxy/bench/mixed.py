@@ -32,6 +32,7 @@ divided by X, so rows read in the engine's own time.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import random
 import sys
@@ -224,6 +225,15 @@ def _hist(values_ms: list[float]) -> list[int]:
     return counts
 
 
+def worst_gaps(records: list[Record], scale: float = 1.0, n: int = 12) -> list[list[float]]:
+    """The ``n`` largest gaps, largest first, each ``[ended at s, gap ms, user]``: to place a
+    phase's worst moments beside the long prompts' arrivals (``long_arrivals_s``) and a proxy's
+    or an engine's log. One slow engine step shows as the same gap in every stream it held."""
+    top = heapq.nlargest(n, ((b - a, b, r.user) for r in records if r.ok
+                             for a, b in zip(r.trace.tokens, r.trace.tokens[1:])))
+    return [[round(end / scale, 4), round(gap / scale * 1e3, 2), user] for gap, end, user in top]
+
+
 def summarize(records: list[Record], seconds: float, slo: SLO, long_alone_s: float | None,
               scale: float = 1.0) -> dict:
     """The per-class figures of one phase (every time in ms or s of engine time)."""
@@ -251,6 +261,7 @@ def summarize(records: list[Record], seconds: float, slo: SLO, long_alone_s: flo
         "tpot_ms_p99": percentile(tpot_ms, 99),
         "no_stream_share": no_stream_share(records, 0.0, seconds),
         "gap_hist": _hist(gaps_ms),
+        "worst_gaps": worst_gaps(inter, scale),
         "ttft_ms_all": sorted(round(t, 2) for t in ttft_ms),
         **goodput(records, slo, seconds, scale),
     }
