@@ -113,3 +113,25 @@ def test_a_row_whose_proxy_does_not_find_what_the_row_is_about_is_not_measured(t
         with pytest.raises(SystemExit, match="row stack: the proxy found its upstream .* sliced, not paced"):
             runner.run(["stack"], ["pair"])
     assert not list(tmp_path.glob("stack-*.json"))
+
+
+@pytest.mark.slow
+def test_the_pair_through_a_new_proxy_each_run(tmp_path):
+    """``--pair-fresh-proxy``: every pair run is the first long prompt a proxy sees (its slicer
+    has learned nothing yet), each through a proxy of its own, its log kept; the part's figures
+    are over those runs."""
+    from prefill_gate.proxy.bench.services import Service
+
+    with Service("sim", name="stock") as stock:
+        Runner(stock.url, None, tmp_path, Plan(pair=Shape(), pair_runs=2, pair_fresh_proxy=True),
+               None, [], progress=False).run(["proxy"], ["pair"])
+    result = collect(tmp_path)["proxy"]["pair"]
+    assert result["fresh_proxy"] is True and result["runs"] == 2 and len(result["per_run"]) == 2
+    assert result["spread"]["a_ttft_s"] == [min(r["a_ttft_s"] for r in result["per_run"]),
+                                            max(r["a_ttft_s"] for r in result["per_run"])]
+    logs = sorted(p.name for p in tmp_path.glob("proxy-proxy*.log"))
+    assert logs == ["proxy-proxy-pair1.log", "proxy-proxy-pair2.log"]  # one proxy a run, no other
+    for log in logs:
+        text = (tmp_path / log).read_text()
+        assert "large prefills are sliced while streams decode there" in text
+        assert text.count("sliced request #") == 1  # the run's A, the first long prompt this proxy sliced

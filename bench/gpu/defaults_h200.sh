@@ -17,7 +17,8 @@
 #          --max-num-seqs 256; the stack row of run ee9ed4e had graphs up to 8192, see its README)
 # Each part's JSON accumulates in WORK (/root/defaults on the device, outside the tree); each
 # call leaves OUT/defaults.json (every part so far, the checks), .png, -table.txt and the logs.
-# ROWS, PARTS: what to run (default: every row, every part).
+# ROWS, PARTS: what to run (default: every row, every part); PAIR_FRESH=1: each pair run through a
+# new proxy (rows with one), every run the first long prompt a proxy slices.
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
 # end, a steady part ~3 minutes; the device kills a call at 600 s); 0: no limit.
 set -u
@@ -33,6 +34,7 @@ DURATION=${DURATION:-120}
 BASELINE=${BASELINE:-20}
 SPARSE_DURATION=${SPARSE_DURATION:-60}
 PAIR_RUNS=${PAIR_RUNS:-3}
+FRESH=""; [ "${PAIR_FRESH:-0}" = 1 ] && FRESH=--pair-fresh-proxy  # each pair run through a new proxy
 mkdir -p "$OUT" "$WORK"
 RES=$(cd "$WORK" && pwd)
 RUNS=1
@@ -93,7 +95,7 @@ fi
 say "bench defaults: $ROWS, $PARTS (parts start within $BUDGET s)"
 python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
   --model m --work "$RES" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
-  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" --budget "$BUDGET" \
+  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" $FRESH --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | tail -40 > "$OUT/paced-server.log"

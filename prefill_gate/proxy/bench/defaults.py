@@ -21,6 +21,7 @@ and commit; the table and the plot say the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import statistics
@@ -30,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .mixed import SLO, MixedShape, measure_endpoint
-from .overlap import Shape, run_overlap
+from .overlap import KEYS, Shape, over_runs, run_overlap
 from .report import environment, table, write_json
 from .services import Service
 
@@ -81,6 +82,7 @@ class Plan:
     sparse: MixedShape = MixedShape(users=3, think=2.0, duration=60.0, baseline_duration=15.0)
     pair: Shape = Shape()
     pair_runs: int = 3
+    pair_fresh_proxy: bool = False  # each pair run through a proxy of its own (every run a new proxy's first)
     seed: int = 0
     time_scale: float = 1.0
 
@@ -170,15 +172,42 @@ class Runner:
             if flags is None:
                 self._parts(row, engine, todo)
                 continue
-            wait = f"{30 * self.plan.time_scale:g}"  # the default wait bound, in the engine's time
-            args = ["serve", "--upstream", engine, "--max-queue-wait", wait, "--log-level", "info", *self.proxy_args,
-                    *flags]
-            with Service(*args, name=f"proxy-{row}", timeout=60) as proxy:
-                try:
-                    self._expect_mode(row, proxy.url, engine)
+            if self.plan.pair_fresh_proxy and "pair" in todo:
+                self._fresh_pairs(row, engine)
+                todo.remove("pair")
+            if todo:
+                with self._proxy(row, engine, f"proxy-{row}") as proxy:
                     self._parts(row, proxy.url, todo)
-                finally:
-                    (self.work / f"proxy-{row}.log").write_text(proxy.output()[-2_000_000:])
+
+    @contextlib.contextmanager
+    def _proxy(self, row: str, engine: str, name: str):
+        """The row's proxy, in front of ``engine``, once it found it in the row's mode; its log
+        lands in the work folder as ``name``.log."""
+        wait = f"{30 * self.plan.time_scale:g}"  # the default wait bound, in the engine's time
+        args = ["serve", "--upstream", engine, "--max-queue-wait", wait, "--log-level", "info", *self.proxy_args,
+                *PROXY_FLAGS[row]]
+        with Service(*args, name=name, timeout=60) as proxy:
+            try:
+                self._expect_mode(row, proxy.url, engine)
+                yield proxy
+            finally:
+                (self.work / f"{name}.log").write_text(proxy.output()[-2_000_000:])
+
+    def _fresh_pairs(self, row: str, engine: str) -> None:
+        """The seed pair, each run through a new proxy: what the first long prompt after a
+        proxy starts gets (its slicer has learned nothing of the engine yet)."""
+        p, runs = self.plan, []
+        for k in range(p.pair_runs):
+            if self.out_of_time():
+                self.say(f"{row}: pair left for the next call (--budget)")
+                return
+            with self._proxy(row, engine, f"proxy-{row}-pair{k + 1}") as proxy:
+                self.say(f"{row}: pair run {k + 1} of {p.pair_runs} -> a new proxy, {proxy.url}")
+                runs.append(asyncio.run(run_overlap(proxy.url, self.model, p.pair, runs=1, progress=self.progress)))
+        first = {k: v for k, v in runs[0].items() if k not in (*KEYS, "spread", "per_run")}
+        result = over_runs([r["per_run"][0] for r in runs], **{**first, "runs": len(runs), "fresh_proxy": True,
+                                                              "seeds": [r["seed"] for r in runs]})
+        write_json(self.path(row, "pair"), {"row": row, "part": "pair", "result": result, **environment()})
 
     def _expect_mode(self, row: str, url: str, engine: str) -> None:
         """Wait until the row's proxy has probed its upstream; fail the row unless it found
@@ -262,6 +291,9 @@ def add_arguments(p) -> None:
     p.add_argument("--sparse-duration", type=float, default=60.0)
     p.add_argument("--pair-runs", type=int, default=3)
     p.add_argument("--pair-long", type=int, default=28_600, help="the seed pair's A: prompt tokens")
+    p.add_argument("--pair-fresh-proxy", action="store_true",
+                   help="each pair run through a new proxy (rows with a proxy): every run is the first long "
+                        "prompt a proxy sees")
     p.add_argument("--seed", type=int, default=0, help="the schedules' seed (every row gets the same)")
     p.add_argument("--time-scale", type=float, default=1.0, help="a simulator slowed this many times")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
@@ -281,7 +313,7 @@ def plan_from(args) -> Plan:
     sparse = replace(steady, users=args.sparse_users, think=args.sparse_think, duration=args.sparse_duration,
                      baseline_duration=min(args.baseline_duration, args.sparse_duration / 4))
     return Plan(steady=steady, sparse=sparse, pair=Shape(long_tokens=args.pair_long), pair_runs=args.pair_runs,
-                seed=args.seed, time_scale=args.time_scale)
+                pair_fresh_proxy=args.pair_fresh_proxy, seed=args.seed, time_scale=args.time_scale)
 
 
 def main(args) -> int:

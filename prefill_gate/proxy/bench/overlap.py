@@ -241,8 +241,14 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
                         "a": _trace_json(a_trace, t0)})
         if progress and tty:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+    return over_runs(per_run, bench="overlap", target=base_url, model=model, runs=runs, seed=seed,
+                     server_version=server_version, shape=asdict(shape), raw=raw)
+
+
+def over_runs(per_run: list[dict], **rest) -> dict:
+    """The median of each figure over ``per_run``, their ``spread`` (min, max), ``rest``, and
+    ``per_run`` itself."""
     result = {k: percentile([r[k] for r in per_run], 50) for k in KEYS}
     result["spread"] = {k: [min(r[k] for r in per_run), max(r[k] for r in per_run)] for k in KEYS}
-    result.update(bench="overlap", target=base_url, model=model, runs=runs, seed=seed, server_version=server_version, shape=asdict(shape), per_run=per_run,
-                  raw=raw)
+    result.update(rest, per_run=per_run)
     return result
