@@ -135,3 +135,24 @@ def test_the_pair_through_a_new_proxy_each_run(tmp_path):
         text = (tmp_path / log).read_text()
         assert "large prefills are sliced while streams decode there" in text
         assert text.count("sliced request #") == 1  # the run's A, the first long prompt this proxy sliced
+
+
+@pytest.mark.slow
+def test_a_new_proxy_slices_past_the_engines_graph_step_without_locking_at_the_smallest_slice(tmp_path):
+    """The seed pair through a new proxy, on a simulator whose steps past 512 tokens run
+    without CUDA graphs and cost 30 ms more (the H200's step, `CostModel.graph_tokens`). Before
+    the slicer found such steps, its first cost model put the step on the context term and sent
+    the rest of the prompt in 256-token slices: ~98 slices for 28.6k tokens (A 8.0 s against 5.3
+    s here; on the H200, 79 slices). Now: the largest slice below the step."""
+    import re
+
+    from prefill_gate.proxy.bench.services import Service
+
+    with Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.030", name="stock") as stock:
+        Runner(stock.url, None, tmp_path, Plan(pair=Shape(), pair_runs=1, pair_fresh_proxy=True), None, [],
+               progress=False).run(["proxy"], ["pair"])
+    line = next(x for x in (tmp_path / "proxy-proxy-pair1.log").read_text().splitlines() if "sliced request" in x)
+    sizes = [int(n) for n in re.search(r"slice tokens \[([^\]]*)\]", line).group(1).split(",")]
+    assert sum(sizes) == 28_592 and len(sizes) <= 75, line
+    assert sum(n <= 256 for n in sizes[:-1]) <= 5, line  # not locked at the smallest slice
+    assert "a step at " in line  # and the log says where it found the step

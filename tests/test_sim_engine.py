@@ -130,6 +130,15 @@ def test_a_mixed_step_takes_at_least_the_host_floor_and_a_large_one_hides_it():
     assert c.scaled(2).step_seconds([0], [(300, 0)]) == pytest.approx(0.228)
 
 
+def test_a_step_past_the_largest_cuda_graph_costs_the_eager_extra():
+    c = CostModel(base=0.005, mixed=0.002, per_prefill_token=1e-5, graph_tokens=512, eager=0.030)
+    assert c.step_seconds([0], [(511, 0)]) == pytest.approx(0.005 + 0.002 + 0.00511)  # 512 tokens: graphed
+    assert c.step_seconds([0], [(512, 0)]) == pytest.approx(0.005 + 0.002 + 0.00512 + 0.030)  # 513: eager
+    assert c.step_seconds([0] * 600, []) > 0.030  # decode rows count too
+    assert c.scaled(2).step_seconds([0], [(512, 0)]) == pytest.approx(2 * (0.005 + 0.002 + 0.00512 + 0.030))
+    assert CostModel(base=0.005, eager=0.030).step_seconds([0], [(4096, 0)]) == pytest.approx(0.005)  # off
+
+
 def test_build_engine_overrides_and_errors():
     e, p = build_engine("rtx3090-27b-hybrid", engine={"max_num_batched_tokens": 2048}, time_scale=0.5)
     assert e.config.max_num_batched_tokens == 2048 and e.config.block_size == 1568

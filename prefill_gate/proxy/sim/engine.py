@@ -38,7 +38,10 @@ class CostModel:
     prompt tokens takes at least ``base + mixed_floor``: where small mixed steps run eagerly the
     host's kernel launches bound them however few tokens they hold (a 27B hybrid's 300-token
     step: ~100 ms of host time against ~15 ms of prefill compute), and a large step's GPU work
-    hides the same launches."""
+    hides the same launches. ``graph_tokens`` > 0: a step of more tokens than that (decode rows
+    and prompt tokens) runs without vLLM's CUDA graphs and costs ``eager`` more (off in the
+    presets; the H200 with Qwen3-8B: ~14 ms for a 432-token slice beside one stream, ~40-50 ms
+    for 512-768 tokens)."""
 
     base: float
     mixed: float = 0.0
@@ -52,6 +55,8 @@ class CostModel:
     frontend_per_id: float = 0.0  # the same two for a prompt given as token ids (no tokenizer on
     arrival_per_id: float = 0.0  # the way; what remains is parsing, hashing and bookkeeping)
     mixed_floor: float = 0.0
+    graph_tokens: float = 0.0
+    eager: float = 0.0
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
@@ -61,13 +66,16 @@ class CostModel:
             for n, start in chunks:
                 t += self.per_prefill_token * n + self.attention * n * (start + n / 2)
             t = max(t, self.base + self.mixed_floor)
+        if self.graph_tokens and len(decode_contexts) + sum(n for n, _ in chunks) > self.graph_tokens:
+            t += self.eager
         return t
 
     def scaled(self, factor: float) -> "CostModel":
         return CostModel(self.base * factor, self.mixed * factor, self.per_decode_row * factor,
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
                          self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor,
-                         self.frontend_per_id * factor, self.arrival_per_id * factor, self.mixed_floor * factor)
+                         self.frontend_per_id * factor, self.arrival_per_id * factor, self.mixed_floor * factor,
+                         self.graph_tokens, self.eager * factor)
 
 
 @dataclass(frozen=True)
