@@ -135,8 +135,9 @@ COST_EXTRAPOLATE = 1.5
 # A step in the engine's cost: vLLM replays a CUDA graph for a step within its largest
 # captured size (512 tokens by default) and runs a larger one eagerly, so on the H200 a
 # 496-token slice cost the streams ~14-18 ms and a 512-640-token one ~40-50 ms. Slices whose
-# gaps all stay under STEP_RATIO of the median gap of the slices just above them (at most
-# STEP_SPAN times their size) ran below such a step.
+# gaps all stay under STEP_RATIO of what one line through every slice predicts for them (where
+# no line fits: of the median gap of the slices just above them, at most STEP_SPAN times their
+# size) ran below such a step (``find_step``).
 STEP_RATIO = 0.6
 STEP_SPAN = 1.5
 
