@@ -168,8 +168,7 @@ class Runner:
             engine = self.urls[ENGINE[row]]
             if engine is None:
                 raise SystemExit(f"row {row} needs --{ENGINE[row]}")
-            flags = PROXY_FLAGS[row]
-            if flags is None:
+            if PROXY_FLAGS[row] is None:
                 self._parts(row, engine, todo)
                 continue
             if self.plan.pair_fresh_proxy and "pair" in todo:
