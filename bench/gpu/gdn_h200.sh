@@ -8,7 +8,8 @@
 #                  path's time per layer call by prompt length: where the limit should be). ~3 min
 #   STAGE=hybrid   the 27B hybrid (bench/gpu/hybrid_model.py) twice as the stack runs it (paced
 #                  scheduler, graphs auto, prefix caching, fp8 KV, budget 2,048): :8001 without the
-#                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on}; rows: greedy answers
+#                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} and
+#                  PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} (rows labelled ours-gdn-cN); rows: greedy answers
 #                  compared, `bench short` with pacing off and with adaptive 15 ms, the seed pair
 #   STAGE=subblock the same two servers (started if not up): PREFILL_GATE_PACING_SUB_BLOCK's GPU
 #                  check on each (bench/gpu/sub_block_compare.py: the same prompts paced in whole
@@ -32,6 +33,7 @@ export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/ep:$PWD
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 deadline_passed() { [ "${DEADLINE:-0}" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge "$DEADLINE" ]; }
 PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
+OURS=ours-gdn${GDN_CHUNK:+-c$GDN_CHUNK}  # the patched server's rows: with chunks, not to be taken for the token walk's
 
 pacing() {  # KEY=VALUE...: both servers' pacing settings, through their control file
   printf '%s\n' "$@" > "$HYB/control.env.tmp" && mv "$HYB/control.env.tmp" "$HYB/control.env"; sleep 1
@@ -61,7 +63,7 @@ case $STAGE in
       tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
-      --shapes "${SHAPES:-32x1,16x1,8x1,32x2,16x2}" \
+      --shapes "${SHAPES:-32x1,16x1x16x8,32x1x16x8,16x1x16x4,16x1x32x8,16x1x64x8}" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid|subblock)
     if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then
@@ -72,7 +74,7 @@ case $STAGE in
       export PREFILL_GATE_PACING_CONTROL_FILE=$HYB/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10
       PREFILL_GATE_GDN_RECURRENT=off start_server vllm-gdn 8001 "${COMMON[@]}"
       sleep 15
-      PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
+      PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
       for s in vllm-gdn:8001 ours-gdn:8002; do
         wait_health "${s#*:}" 480 "${PID_OF[${s%:*}]}" || { say "${s%:*} did not come up"; tail -40 "$RES/server-${s%:*}.log"; exit 1; }
       done
@@ -82,17 +84,17 @@ case $STAGE in
       | sort -u | tee "$RES/patches.txt"
     if [ "$STAGE" = subblock ]; then
       row subblock vllm-gdn http://127.0.0.1:8001
-      row subblock ours-gdn http://127.0.0.1:8002
+      row subblock $OURS http://127.0.0.1:8002
       pack_results "gdn-$STAGE"; exit 0
     fi
     pacing PREFILL_GATE_PACING=off
-    row greedy ours-gdn http://127.0.0.1:8002
+    row greedy $OURS http://127.0.0.1:8002
     row short vllm-gdn http://127.0.0.1:8001
-    row short ours-gdn http://127.0.0.1:8002
+    row short $OURS http://127.0.0.1:8002
     pacing PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15
     row short paced-vllm-gdn http://127.0.0.1:8001
-    row short paced-ours-gdn http://127.0.0.1:8002
-    row pair paced-ours-gdn http://127.0.0.1:8002
+    row short paced-$OURS http://127.0.0.1:8002
+    row pair paced-$OURS http://127.0.0.1:8002
     row pair paced-vllm-gdn http://127.0.0.1:8001 ;;
   *) say "STAGE must be kernel, hybrid or subblock"; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """One Gated DeltaNet layer's core, vLLM 0.26's path against engine_patches.gdn's, per prompt length.
 
     python3 bench/gpu/gdn_sweep.py --json OUT.json [--lens 16,64,128,256,512,1024] [--decodes 4]
-        [--shapes 32x1,16x1,32x2,16x2]
+        [--shapes 32x1,16x1,32x2,16x1x16x8]
 
 A layer the size of the 27B hybrid's (tests/engine/gdn_gpu.py) runs one mixed step, `--decodes`
 streams and one prompt of each length, both ways from the same states; per length: each path's
@@ -10,8 +10,9 @@ as a mixed step's GDN cores run), and how far ours is from vLLM's (relative max 
 outputs and the states; whether the decodes' outputs and the conv states are identical). A
 step runs 48 such cores: where ``ours_wall_ms`` stays under ``stock_wall_ms`` the patch pays,
 and that crossover is what PREFILL_GATE_GDN_RECURRENT's limit should be. ``--shapes``: our
-kernel's launch shapes to compare, BLOCK_VxSTAGES (value rows per program x the token loop's
-pipeline depth; the first is the one the patch uses).
+kernel's launch shapes to compare, BLOCK_VxSTAGES[xCHUNK[xWARPS]] (value rows per program x the
+token loop's pipeline depth x the chunk a prompt walks in, 0 token by token, x warps a program;
+PREFILL_GATE_GDN_CHUNK picks the chunk, the other numbers are the kernel's defaults).
 """
 
 from __future__ import annotations
@@ -24,33 +25,42 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
-COLUMNS = [("prompt", "prompt tokens"), ("shape", "ours: BVxSTAGES"), ("stock_wall_ms", "vLLM ms"), ("ours_wall_ms", "ours ms"),
+COLUMNS = [("prompt", "prompt tokens"), ("shape", "ours: BVxSTAGESxCHUNKxWARPS"), ("stock_wall_ms", "vLLM ms"), ("ours_wall_ms", "ours ms"),
            ("stock_host_ms", "vLLM host ms"), ("ours_host_ms", "ours host ms"), ("out_rel", "out rel err"),
            ("state_rel", "state rel err"), ("decode_out_equal", "decodes identical")]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lens", default="16,64,128,256,384,512,1024,2048")
+    p.add_argument("--lens", default="16,64,128,256,384,512,1024,1568,2048,4096")
     p.add_argument("--decodes", type=int, default=4)
     p.add_argument("--runs", type=int, default=30, help="timed calls per path and length")
-    p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES, comma-separated")
+    p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES[xCHUNK[xWARPS]], "
+                   "comma-separated")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     from tests.engine.gdn_gpu import compare_paths
 
-    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    shapes = [launch_shape(shape) for shape in args.shapes.split(",")]
     rows = []
     for n in (int(x) for x in args.lens.split(",")):
-        for block_v, stages in shapes:
-            r = compare_paths(prompt_lens=[n], decodes=args.decodes, timing_runs=args.runs,
-                              launch={"block_v": block_v, "stages": stages})
-            rows.append({"prompt": n, "shape": f"{block_v}x{stages}", **r})
-            print(f"[gdn] {n} {block_v}x{stages}: {r}", file=sys.stderr, flush=True)
+        for name, launch in shapes:
+            r = compare_paths(prompt_lens=[n], decodes=args.decodes, timing_runs=args.runs, launch=launch)
+            rows.append({"prompt": n, "shape": name, **r})
+            print(f"[gdn] {n} {name}: {r}", file=sys.stderr, flush=True)
     print(table(rows, COLUMNS))
     Path(args.json).write_text(json.dumps({"bench": "gdn_sweep", "decodes": args.decodes, "rows": rows,
                                            **environment()}, indent=1, default=float) + "\n")
     return 0
+
+
+def launch_shape(text: str) -> tuple[str, dict]:
+    """BLOCK_VxSTAGES[xCHUNK[xWARPS]] -> (the shape as given, the kernel's launch arguments)."""
+    numbers = [int(x) for x in text.split("x")]
+    if not 2 <= len(numbers) <= 4:
+        raise SystemExit(f"--shapes: {text!r} is not BLOCK_VxSTAGES[xCHUNK[xWARPS]]")
+    launch = dict(zip(("block_v", "stages", "chunk", "num_warps"), numbers))
+    return text, launch
 
 
 if __name__ == "__main__":

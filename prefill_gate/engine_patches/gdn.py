@@ -22,14 +22,20 @@ and decode-only steps take vLLM's path unchanged.
                                       changes prompts' rounding; the stack turns it on)
                                 on    steps with at most ON_TOKENS (512) prompt tokens
                                 N     steps with at most N prompt tokens
+    PREFILL_GATE_GDN_CHUNK      off   a prompt's tokens one by one (measured: the default)
+                                16, 32, 64   a prompt of at least that many tokens in chunks of
+                                      it: matrix products a chunk instead of a dependent
+                                      update a token (``gated_delta_recurrent(chunk=...)``);
+                                      not yet measured on a GPU, so off unless asked
 
 Numerics: decodes are bit-identical to vLLM's (the same arithmetic as its recurrent kernel,
 tested under Triton's interpreter); a prompt's tokens follow the recurrence token by token in
-float32 where vLLM's chunked form computes in chunks of 64 with bfloat16 products, so prompt
-outputs and the states they leave differ by rounding (tests/engine/test_gdn.py holds the glue to
-the specification on the CPU; the GPU test compares both paths on real kernels). A prompt's
-recurrence is sequential, n dependent updates, so the limit keeps it to short prompts, where
-one launch beats a dozen. Measured on the H200 (bench/results/gdn/h200/: one 27B-sized layer,
+float32 (with chunks: in chunks of 16-64 with tf32 products) where vLLM's chunked form computes
+in chunks of 64 with bfloat16 products, so prompt outputs and the states they leave differ by
+rounding (tests/engine/test_gdn.py holds the glue to the specification on the CPU; the GPU test
+compares both paths on real kernels). Token by token, a prompt's recurrence is n dependent
+updates, so the limit keeps it to short prompts, where one launch beats a dozen; chunks make it
+n / C rounds, which should move that crossover out (to be measured: bench/gpu/gdn_h200.sh). Measured on the H200 (bench/results/gdn/h200/: one 27B-sized layer,
 4 decodes and one prompt): ours 0.15-0.90 ms a call against vLLM's 0.92-1.08 ms for prompts of
 16-512 tokens, 1.88 ms against 1.01 at 1,024; a short prompt's cost to live streams fell from
 86 to 44 ms at the median with the limit at 512.
@@ -42,8 +48,10 @@ import os
 from collections.abc import Mapping
 
 ENV = "PREFILL_GATE_GDN_RECURRENT"
+CHUNK_ENV = "PREFILL_GATE_GDN_CHUNK"
 ON_TOKENS = 512  # "on": the H200 sweep's last length where one launch still beats vLLM's path
 MAX_TOKENS = 4096
+CHUNKS = (16, 32, 64)
 
 
 class GdnRecurrentError(ValueError):
@@ -68,6 +76,18 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> int:
     return limit
 
 
+def chunk_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The chunk a prompt's recurrence walks in (0: token by token)."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(CHUNK_ENV) or "off").strip().lower()
+    if raw in ("off", "0"):
+        return 0
+    if raw not in {str(c) for c in CHUNKS}:
+        raise GdnRecurrentError(f"{CHUNK_ENV}={env.get(CHUNK_ENV)!r}: expected off or one of "
+                                f"{', '.join(map(str, CHUNKS))} (tokens a chunk)")
+    return int(raw)
+
+
 def eligible(metadata, limit: int) -> bool:
     """Does this step's GDN metadata describe a step the recurrence takes: prompts totalling at
     most ``limit`` tokens, no speculative decoding, the mixed path's tensors present?"""
@@ -80,9 +100,11 @@ def eligible(metadata, limit: int) -> bool:
 def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, **launch) -> None:
     """The layer's core for an eligible step: vLLM's convolution, then one recurrent launch
     for every sequence. ``vllm``: ``_vllm.gdn_internals()``; ``launch``: the kernel's launch
-    shape (``block_v``, ``stages``; its defaults unless a benchmark compares others)."""
-    from prefill_gate.kernels.gated_delta import gated_delta_recurrent
+    shape and walk (``block_v``, ``stages``, ``chunk``; the kernel's defaults unless given)."""
+    from prefill_gate.kernels.gated_delta import MIN_DOT, gated_delta_recurrent
 
+    if launch.get("chunk") and min(layer.head_k_dim, layer.head_v_dim) < MIN_DOT:
+        launch = {**launch, "chunk": 0}  # heads too small for a matrix product's tile: token by token
     tokens = metadata.num_actual_tokens
     seqs = metadata.num_decodes + metadata.num_prefills
     conv_state = layer.kv_cache[0] if vllm.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
@@ -121,17 +143,17 @@ def installed() -> bool:
     return hasattr(getattr(layer_cls, "_forward_core", None), "prefill_gate_settings")
 
 
-def install(layer_cls, limit: int, vllm, log) -> None:
+def install(layer_cls, limit: int, vllm, log, chunk: int = 0) -> None:
     """Wrap ``layer_cls._forward_core`` so that eligible steps take ``recurrent_core``. Installing
-    again only replaces the limit (register() runs in every process); limit 0 restores vLLM's."""
+    again only replaces the settings (register() runs in every process); limit 0 restores vLLM's."""
     current = layer_cls._forward_core
     if hasattr(current, "prefill_gate_settings"):
-        current.prefill_gate_settings["limit"] = limit
+        current.prefill_gate_settings.update(limit=limit, chunk=chunk)
         return
     if limit <= 0:
         return
     original = current
-    settings = {"limit": limit}
+    settings = {"limit": limit, "chunk": chunk}
 
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
@@ -139,8 +161,10 @@ def install(layer_cls, limit: int, vllm, log) -> None:
         metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
         if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
             return original(self, mixed_qkv, b, a, core_attn_out)
-        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm)
+        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, chunk=settings["chunk"])
 
     _forward_core.prefill_gate_settings = settings
     layer_cls._forward_core = _forward_core
-    log(f"Gated DeltaNet: steps with at most {limit} prompt tokens run one recurrent launch a layer ({ENV})")
+    walk = f"prompts in chunks of {chunk} ({CHUNK_ENV})" if chunk else "prompts token by token"
+    log(f"Gated DeltaNet: steps with at most {limit} prompt tokens run one recurrent launch a layer ({ENV}), "
+        f"{walk}")

@@ -6,8 +6,9 @@ Triton's own compiler builds PTX and a cubin for the target (``GPUTarget("cuda",
 32)``) on a CPU-only machine; ``ptxas -v`` (shipped with Triton) then reports registers
 and spill traffic per kernel. CI runs this for sm_70, sm_80 and sm_90 and requires no
 spills at head_dim 128 on sm_70 (V100). The Gated DeltaNet recurrence
-(``gated_delta._gated_delta_kernel``) is built too, at the 27B hybrid's sizes: the compiler
-refuses what Triton's interpreter, where its numerics are tested, lets through.
+(``gated_delta._gated_delta_kernel``) is built too, at the 27B hybrid's sizes, token by token
+and (sm_80 and up) with prompts in chunks of 16: the compiler refuses what Triton's interpreter,
+where its numerics are tested, lets through.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from prefill_gate.kernels.gated_delta import BLOCK_V, _gated_delta_kernel
+from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS, _gated_delta_kernel
 from prefill_gate.kernels.paged_attention import MERGE_ROWS, ROWS, _merge_splits, _tile_attention, launch_config
 
 PTR_ARGS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
@@ -45,6 +46,7 @@ class Report:
     spill_stores_bytes: int
     spill_loads_bytes: int
     shared_bytes: int
+    chunk: int = 0
 
 
 def _signature(fn, dtype: str, constexprs: dict) -> dict:
@@ -112,19 +114,24 @@ def compile_report(arch: int, dtype: str = "fp16", head_dim: int = 128, group: i
     return reports
 
 
-def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stages: int = 1) -> Report:
+def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stages: int = 1,
+                       chunk: int = 0, num_warps: int = 4, block_v: int = BLOCK_V) -> Report:
     """The recurrence at the 27B hybrid's head sizes (16 key and 48 value heads), float32 state;
-    ``stages`` > 1: its token loop software-pipelined (reported as ``split``)."""
+    ``stages`` > 1: its token loop software-pipelined (reported as ``split``); ``chunk``: prompts
+    in chunks (tf32 matrix products where the target has them; Triton falls back to float32 FMAs
+    on sm_70)."""
     fn = _gated_delta_kernel
     constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
-                  "BV": min(triton.next_power_of_2(head_dim), BLOCK_V), "MASK_INITIAL": True, "STAGES": stages}
+                  "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages,
+                  "CHUNK": chunk, "PRECISION": "tf32"}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    return Report(fn.__name__, 4, arch, dtype, head_dim, stages > 1, **_ptxas(compiled.asm["ptx"], arch))
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return Report(fn.__name__, num_warps, arch, dtype, head_dim, stages > 1, **_ptxas(compiled.asm["ptx"], arch),
+                  chunk=chunk)
 
 
 def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:
@@ -135,6 +142,8 @@ def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128
         for split in (True, False):
             rows += [asdict(r) for r in compile_report(arch, dt, head_dim, split=split)]
         rows += [asdict(gated_delta_report(arch, dt, head_dim, stages)) for stages in (1, 2)]
+        if arch >= 80:  # the chunked form wants tf32 tensor cores; on sm_70 its products are FMAs and spill
+            rows.append(asdict(gated_delta_report(arch, dt, head_dim, 1, 16, CHUNK_WARPS, CHUNK_BLOCK_V)))
     return rows
 
 
@@ -148,7 +157,7 @@ def main() -> None:
     rows = all_reports(args.arch, args.dtype, args.head_dim)
     for r in rows:
         print(f"sm_{r['arch']} {r['dtype']} d={r['head_dim']} {r['kernel']:<16} split={r['split']!s:<5} "
-              f"regs={r['registers']:<4} spill st/ld={r['spill_stores_bytes']}/{r['spill_loads_bytes']} B "
+              f"chunk={r['chunk']:<2} regs={r['registers']:<4} spill st/ld={r['spill_stores_bytes']}/{r['spill_loads_bytes']} B "
               f"smem={r['shared_bytes']} B")
     if args.json:
         with open(args.json, "w") as f:

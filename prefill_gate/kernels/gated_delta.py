@@ -24,7 +24,13 @@ each token's output written, the final state stored once. q, k, v are read in pl
 convolution's output (strided views, no copy) and the output goes straight into the layer's
 buffer. The work per token is the decode's; a prompt of n tokens is n dependent updates, so
 it pays only while prompts are short: the engine patch (``engine_patches.gdn``) sends a step
-here only when its prompt tokens are few.
+here only when its prompt tokens are few. On the H200 that walk is ~1.8 us a token, ~25 ms of
+a 300-token prompt's step over 48 layers (bench/results/gdn/h200/).
+
+With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
+program (``_chunk``): per chunk of C tokens a handful of matrix products and a C-step forward
+substitution on a C x C tile, so a prompt costs n / C dependent rounds instead of n. Decodes
+and prompts shorter than a chunk keep the token path and its bits.
 
 Semantics are ``prefill_gate.kernels.reference.gated_delta_ref``'s (the executable
 specification), and the decode's arithmetic is vLLM's own recurrent kernel's (float32 state,
@@ -41,13 +47,89 @@ import triton.language as tl
 L2NORM_EPS = tl.constexpr(1e-6)  # as vLLM's l2norm in its recurrent kernel
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # softplus(x) = x above it, as vLLM's kernels
 BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in registers
+CHUNK_BLOCK_V, CHUNK_WARPS = 16, 8  # with chunks: 16 value rows and 8 warps a program, the shape that
+# compiles without spills for sm_90 (python -m prefill_gate.kernels.aot; 4 warps or 32 rows spill)
+MIN_DOT = 16  # tl.dot's least side: the chunk and both state blocks
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+
+
+@triton.jit
+def _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv, o_k, o_v,
+           mask_k, mask_v, decay, bias, scale, K: tl.constexpr, V: tl.constexpr):
+    """One token's update of a [BV, BK] state tile: (the new tile, the token's output rows)."""
+    b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    x = tl.load(a + t * stride_a + i_hv).to(tl.float32) + bias
+    softplus = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x)
+    beta = tl.sigmoid(tl.load(b + t * stride_b + i_hv).to(tl.float32))
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS) * scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+    h *= tl.exp(decay * softplus)
+    b_v = (b_v - tl.sum(h * b_k[None, :], 1)) * beta
+    h += b_v[:, None] * b_k[None, :]
+    return h, tl.sum(h * b_q[None, :], 1)
+
+
+@triton.jit
+def _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
+           i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale,
+           K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """C tokens from t0 (those at or past eos are padding: they change nothing) in the chunked
+    form of the rule; returns the state tile after them and writes their outputs.
+
+    With G the running sum of the log decays inside the chunk (token i's decay from the chunk's
+    start is exp(G_i)), S0 the state before it (a [BV, BK] tile, rows of value), the chunk's
+    pseudo-values U ([C, BV]) solve (I + A) U = beta * (v - exp(G) * k S0^T), with A strictly lower
+    triangular, A_ij = beta_i exp(G_i - G_j) k_i.k_j. T = (I + A)^-1 is built row by row (forward
+    substitution: exact arithmetic of the sequential rule, no powers of A that cancel), then
+        out   = exp(G) * q S0^T + M U,         M_ij = exp(G_i - G_j) q_i.k_j  (j <= i)
+        S     = exp(G_last) S0 + (exp(G_last - G) * U)^T k
+    Every exponent is a difference G_i - G_j with j <= i (or G itself), never positive. G is a
+    float32 running sum, as in vLLM's chunked path (FLA's chunk-local cumsum over 64 tokens): where
+    gates close hard (|G| in the thousands) a difference carries the sum's rounding."""
+    o_t = t0 + tl.arange(0, C)
+    mask_t = o_t < eos
+    row = tl.arange(0, C)
+    mask_qk = mask_t[:, None] & mask_k[None, :]
+    b_q = tl.load(q + o_t[:, None] * stride_q + i_h * K + o_k[None, :], mask=mask_qk, other=0).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * stride_k + i_h * K + o_k[None, :], mask=mask_qk, other=0).to(tl.float32)
+    b_v = tl.load(v + o_t[:, None] * stride_v + i_hv * V + o_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                  other=0).to(tl.float32)
+    x = tl.load(a + o_t * stride_a + i_hv, mask=mask_t, other=0).to(tl.float32) + bias
+    g = tl.where(mask_t, decay * tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x), 0.0)
+    beta = tl.where(mask_t, tl.sigmoid(tl.load(b + o_t * stride_b + i_hv, mask=mask_t, other=0).to(tl.float32)), 0.0)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + L2NORM_EPS)[:, None] * scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + L2NORM_EPS)[:, None]
+
+    G = tl.cumsum(g, 0)
+    causal = row[:, None] >= row[None, :]
+    gap = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)  # exp(G_i - G_j), j <= i
+    A = tl.where(row[:, None] > row[None, :], beta[:, None] * gap * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    T = tl.where(row[:, None] == row[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, C):  # row i of T: e_i - sum_j A_ij T_j (rows j < i are final)
+        a_i = tl.sum(tl.where(row[:, None] == i, A, 0.0), 0)
+        T -= tl.where(row[:, None] == i, tl.sum(a_i[:, None] * T, 0)[None, :], 0.0)
+
+    decayed = tl.exp(G)
+    U = tl.dot(T, b_v * beta[:, None], input_precision=PRECISION)
+    W = tl.dot(T, b_k * (beta * decayed)[:, None], input_precision=PRECISION)
+    U -= tl.dot(W, tl.trans(h), input_precision=PRECISION)
+    M = gap * tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+    b_o = tl.dot(b_q * decayed[:, None], tl.trans(h), input_precision=PRECISION) + tl.dot(M, U, input_precision=PRECISION)
+    tl.store(o + o_t[:, None] * stride_o + i_hv * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=mask_t[:, None] & mask_v[None, :])
+    last = tl.sum(tl.where(row == C - 1, G, 0.0), 0)  # the cumsum's own last entry (padding adds 0): the
+    # last token's weight is exp(0) = 1 exactly, where a separate sum would round differently
+    return h * tl.exp(last) + tl.dot(tl.trans(U * tl.exp(last - G)[:, None]), b_k, input_precision=PRECISION)
 
 
 @triton.jit
 def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, state_indices, has_initial,
                         stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_slot, scale,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr, STAGES: tl.constexpr):
+                        BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr, STAGES: tl.constexpr,
+                        CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -76,20 +158,15 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
 
     decay = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    for t in tl.range(bos, eos, num_stages=STAGES):  # STAGES > 1: the next tokens' loads in flight
-        b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        x = tl.load(a + t * stride_a + i_hv).to(tl.float32) + bias
-        softplus = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x)
-        beta = tl.sigmoid(tl.load(b + t * stride_b + i_hv).to(tl.float32))
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS) * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
-        h *= tl.exp(decay * softplus)
-        b_v = (b_v - tl.sum(h * b_k[None, :], 1)) * beta
-        h += b_v[:, None] * b_k[None, :]
-        b_o = tl.sum(h * b_q[None, :], 1)
-        tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    if CHUNK > 0 and eos - bos >= CHUNK:  # a prompt: in chunks, the last one padded
+        for t0 in tl.range(bos, eos, CHUNK, num_stages=STAGES):
+            h = _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
+                       i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V, CHUNK, PRECISION)
+    else:  # decodes (and prompts shorter than a chunk): token by token, vLLM's decode arithmetic
+        for t in tl.range(bos, eos, num_stages=STAGES):  # STAGES > 1: the next tokens' loads in flight
+            h, b_o = _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv,
+                            o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V)
+            tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     tl.store(p_state, h.to(state.dtype.element_ty), mask=mask_h)
 
 
@@ -106,8 +183,9 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                           A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                           cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
                           has_initial: torch.Tensor | None = None, *, scale: float | None = None,
-                          out: torch.Tensor | None = None, num_warps: int = 4, block_v: int = BLOCK_V,
-                          stages: int = 1) -> torch.Tensor:
+                          out: torch.Tensor | None = None, num_warps: int | None = None,
+                          block_v: int | None = None, stages: int = 1, chunk: int = 0,
+                          precision: str = "tf32") -> torch.Tensor:
     """Run the gated delta rule over every sequence of a step; update ``state`` in place.
 
     q, k     [tokens, H, K]       (token stride free, heads packed: views of the conv output)
@@ -120,9 +198,16 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                                   a slot <= 0 skips the sequence (output left as it was)
     cu_seqlens [N + 1] int32      sequence n owns tokens [cu_seqlens[n], cu_seqlens[n + 1])
     out      [tokens, HV, V]      (allocated in v's dtype when None) -> returned
-    block_v, stages               launch shape: value rows of the state per program (a power
-                                  of two), and software-pipeline depth of the token loop (1:
-                                  none); the numerics do not depend on them
+    block_v, stages, num_warps    launch shape: value rows of the state per program (a power
+                                  of two), software-pipeline depth of the token loop (1: none)
+                                  and warps a program; the numerics do not depend on them.
+                                  Default: 32 rows and 4 warps, 16 and 8 with chunks
+    chunk                         0: every token in turn (a decode's arithmetic); a power of
+                                  two >= 16: a sequence of at least that many tokens (a prompt)
+                                  goes in chunks of it, the chunked form of the rule with
+                                  matrix products (``_chunk``); shorter ones token by token
+    precision                     the chunks' matrix products: Triton's ``input_precision``
+                                  ("tf32" on tensor cores, "tf32x3", "ieee")
 
     Nothing here reads a device value on the host: the launch never waits for the GPU."""
     tokens, H, K = q.shape
@@ -144,9 +229,17 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     if n <= 0 or tokens == 0:
         return out
     block_k = triton.next_power_of_2(K)
+    block_v = block_v or (CHUNK_BLOCK_V if chunk else BLOCK_V)
+    num_warps = num_warps or (CHUNK_WARPS if chunk else 4)
     if block_v < 1 or block_v & (block_v - 1) or stages < 1:
         raise ValueError(f"block_v must be a power of two and stages >= 1, got {block_v}, {stages}")
     block_v = min(triton.next_power_of_2(V), block_v)
+    if chunk and (chunk < MIN_DOT or chunk & (chunk - 1) or min(block_v, block_k) < MIN_DOT):
+        raise ValueError(f"chunk must be 0 or a power of two >= {MIN_DOT}, with blocks of at least {MIN_DOT} "
+                         f"key and value rows (a matrix product's least side); got chunk {chunk}, "
+                         f"block_v {block_v}, K {K}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     grid = (triton.cdiv(V, block_v), n * HV)
     _gated_delta_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
@@ -154,5 +247,5 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
         *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
         K ** -0.5 if scale is None else scale,
         H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None, STAGES=stages,
-        num_warps=num_warps)
+        CHUNK=chunk, PRECISION=precision, num_warps=num_warps)
     return out

@@ -20,7 +20,7 @@ import torch
 from prefill_gate.engine_patches import gdn
 from prefill_gate.kernels.reference import gated_delta_ref
 
-H, HV, K, V, WIDTH = 2, 4, 16, 8, 4
+H, HV, K, V, WIDTH = 2, 4, 16, 16, 4
 PREFIX = "model.layers.0.linear_attn"
 
 
@@ -32,6 +32,11 @@ def test_the_setting():
     for bad in ("sometimes", "0", "100000", "-5"):
         with pytest.raises(gdn.GdnRecurrentError, match=gdn.ENV):
             gdn.mode_from_env({gdn.ENV: bad})
+    assert gdn.chunk_from_env({}) == 0 and gdn.chunk_from_env({gdn.CHUNK_ENV: "off"}) == 0
+    assert gdn.chunk_from_env({gdn.CHUNK_ENV: " 32 "}) == 32
+    for bad in ("on", "8", "48", "128"):
+        with pytest.raises(gdn.GdnRecurrentError, match=gdn.CHUNK_ENV):
+            gdn.chunk_from_env({gdn.CHUNK_ENV: bad})
 
 
 def metadata(lens, has_initial, slots, spec=False, device="cpu"):
@@ -111,10 +116,12 @@ def fake_vllm(step):
         get_forward_context=lambda: SimpleNamespace(attn_metadata={PREFIX: step}), seen=seen)
 
 
-def test_the_layer_core_matches_the_specification():
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_the_layer_core_matches_the_specification(chunk):
     """A step of two decodes, a prompt continuing a cached state and a fresh prompt whose slot
-    holds another request's old state, padded to 48 tokens as a graph-less step may be."""
-    lens, has_initial, slots = [1, 1, 9, 14], [True, True, True, False], [5, 2, 7, 3]
+    holds another request's old state, padded to 48 tokens as a graph-less step may be; with
+    PREFILL_GATE_GDN_CHUNK=16 the 21-token prompt goes in chunks."""
+    lens, has_initial, slots = [1, 1, 9, 21], [True, True, True, False], [5, 2, 7, 3]
     step = metadata(lens, has_initial, slots)
     tokens, padded = sum(lens), 48
     g = torch.Generator().manual_seed(1)
@@ -128,7 +135,8 @@ def test_the_layer_core_matches_the_specification():
         pass
 
     vllm = fake_vllm(step)
-    gdn.install(Layer, 64, vllm, lambda message: None)
+    gdn.install(Layer, 64, vllm, lambda message: None, chunk=chunk)
+    assert Layer._forward_core.prefill_gate_settings == {"limit": 64, "chunk": chunk}
     patched = Layer()
     patched.kv_cache = tuple(t.clone() for t in layer.kv_cache)
     out = torch.zeros(padded, HV, V)
@@ -150,7 +158,7 @@ def test_the_layer_core_matches_the_specification():
     assert torch.equal(patched.kv_cache[0], conv_after)
 
     # A step past the limit, and one with no metadata for this layer, are vLLM's.
-    Layer._forward_core.prefill_gate_settings["limit"] = 22
+    Layer._forward_core.prefill_gate_settings["limit"] = 29
     patched._forward_core(mixed_qkv, b, a, out)
     vllm.get_forward_context = lambda: SimpleNamespace(attn_metadata=None)
     patched._forward_core(mixed_qkv, b, a, out)
@@ -173,8 +181,16 @@ def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
     wrapped = QwenGatedDeltaNetAttention._forward_core
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS} and wrapped.__wrapped__ is original
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0} and wrapped.__wrapped__ is original
     assert f"at most {gdn.ON_TOKENS} prompt tokens run one recurrent launch" in caplog.text
+    assert "prompts token by token" in caplog.text
+    monkeypatch.setenv(gdn.CHUNK_ENV, "32")
+    engine_patches.register()
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 32}
+    monkeypatch.setenv(gdn.CHUNK_ENV, "12")
+    with pytest.raises(gdn.GdnRecurrentError, match="PREFILL_GATE_GDN_CHUNK='12'"):
+        engine_patches.register()
+    monkeypatch.delenv(gdn.CHUNK_ENV)
     monkeypatch.setenv(gdn.ENV, "off")
     engine_patches.register()
     assert QwenGatedDeltaNetAttention._forward_core is wrapped and wrapped.prefill_gate_settings["limit"] == 0
@@ -193,4 +209,6 @@ def test_on_the_gpu_vllms_path_and_ours_agree():
 
     worst = compare_paths(prompt_lens=[300, 37], decodes=8)
     assert worst["out_rel"] <= 2e-2 and worst["state_rel"] <= 2e-2 and worst["decode_out_equal"], worst
+    chunked = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"chunk": 16})  # PREFILL_GATE_GDN_CHUNK=16
+    assert chunked["out_rel"] <= 2e-2 and chunked["state_rel"] <= 2e-2 and chunked["decode_out_equal"], chunked
 

@@ -78,6 +78,70 @@ def test_the_launch_shape_does_not_change_the_numbers(block_v, stages):
         gated_delta_recurrent(**step, state_indices=indices, block_v=24)
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_prompts_in_chunks_match_the_specification(chunk):
+    """``chunk``: a prompt of at least that many tokens goes in chunks (matrix products, the
+    last chunk padded); decodes and shorter prompts token by token. Lengths cover a chunk
+    exactly, several and a tail, one under a chunk; prompts continue a cached state or start
+    fresh from a slot holding another request's state; a padding entry is skipped."""
+    lens = [1, 40, 1, chunk, 2 * chunk + 1, chunk - 1, 17, 3]
+    step = make_step(lens, V=16, slots=10, seed=11)
+    indices = torch.tensor([3, 5, 2, 6, 1, 7, 4, 0], dtype=torch.int32)
+    has_initial = torch.tensor([True, True, True, False, True, True, False, True])
+    ref_out, ref_state = gated_delta_ref(**step, state_indices=indices, has_initial=has_initial)
+    state = step["state"].clone()
+    out = torch.full((sum(lens), 4, 16), 7.0)
+    gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial, out=out,
+                          chunk=chunk, block_v=16)
+    kept = ~torch.isnan(ref_out)
+    assert torch.allclose(out.double()[kept], ref_out[kept], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(state.double(), ref_state, atol=1e-5, rtol=1e-5)
+    assert (out[-3:] == 7.0).all() and torch.equal(state[0], step["state"][0])  # the padding entry: untouched
+
+    # Sequences shorter than a chunk take the token path: the same bits as without chunks.
+    plain_state = step["state"].clone()
+    plain = gated_delta_recurrent(**{**step, "state": plain_state}, state_indices=indices, has_initial=has_initial,
+                                  block_v=16)
+    short = [n for n, length in enumerate(lens) if length < chunk and indices[n] > 0]
+    rows = torch.cat([torch.arange(int(step["cu_seqlens"][n]), int(step["cu_seqlens"][n + 1])) for n in short])
+    assert torch.equal(out[rows], plain[rows])
+    assert torch.equal(state[indices[short].long()], plain_state[indices[short].long()])
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
+    """Inputs that break a careless chunked form: one key repeated with beta ~1 and no decay (the
+    in-chunk system is as coupled as it gets; an inverse built from powers of A cancels away
+    its precision), gates that close hard (log decays of ~-500 a token: a running sum in the
+    thousands, where a last-token weight taken from a second sum is off by 1e-3) and two keys
+    alternating. Every output and state within 1e-5 of the specification's largest value."""
+    lens = [64, 64, 64]
+    step = make_step(lens, H=1, HV=2, V=16, seed=2)
+    k, a, b = step["k"], step["a"], step["b"]
+    k[0:64] = k[0:1].clone()
+    b[0:64], a[0:64] = 30.0, -40.0
+    a[64:128] = 25.0
+    k[128:192:2], k[129:192:2] = k[128:129].clone(), k[129:130].clone()
+    b[128:192], a[128:192] = 8.0, -30.0
+    step["A_log"][:] = torch.tensor([3.0, -2.0])
+    indices = torch.tensor([1, 2, 3], dtype=torch.int32)
+    ref_out, ref_state = gated_delta_ref(**step, state_indices=indices)
+    state = step["state"].clone()
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, chunk=chunk, block_v=16)
+    assert (out.double() - ref_out).abs().max() <= 1e-5 * ref_out.abs().max()
+    assert (state.double() - ref_state).abs().max() <= 1e-5 * ref_state.abs().max()
+
+
+def test_chunk_settings_are_checked():
+    step = make_step([20])
+    indices = torch.tensor([1], dtype=torch.int32)
+    for chunk, block_v in ((8, 16), (24, 16), (16, 8)):
+        with pytest.raises(ValueError, match="chunk must be 0 or a power of two >= 16"):
+            gated_delta_recurrent(**step, state_indices=indices, chunk=chunk, block_v=block_v)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        gated_delta_recurrent(**step, state_indices=indices, chunk=16, precision="fp8")
+
+
 @pytest.mark.parametrize("dtype,state_dtype,tol", [(torch.bfloat16, torch.float32, 2e-2),
                                                    (torch.float16, torch.bfloat16, 3e-2)])
 def test_half_precision_inputs_and_states(dtype, state_dtype, tol):
@@ -157,3 +221,9 @@ def test_on_the_gpu_against_the_specification():
     out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial)
     assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max()
     assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max()
+    for chunk, precision in ((16, "tf32"), (32, "tf32"), (64, "tf32"), (16, "ieee")):
+        state = step["state"].clone()
+        out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
+                                    chunk=chunk, precision=precision)
+        assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max(), (chunk, precision)
+        assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max(), (chunk, precision)
