@@ -198,6 +198,30 @@ def test_unhealthy_upstream_is_skipped_and_its_return_pumps_the_queue():
     assert a.upstream == "u2"
 
 
+def test_with_every_upstream_down_a_large_prefill_is_not_held_for_one_to_return():
+    """Health stops deciding when nothing is up (as for interactive requests): a large prefill
+    goes and fails at once instead of waiting its bound (30 s by default) and failing then;
+    the decode rule still holds it. Found with a refusing upstream: the first large request got
+    its 502 at once, every later one after the wait bound."""
+    p, _ = policy(upstreams=("u1", "u2"))
+    p.set_health("u1", False)
+    a = large()
+    assert p.submit(a) is Decision.ADMITTED and a.upstream == "u2"
+    b = large()
+    assert p.submit(b) is Decision.QUEUED  # u2 is busy with a, u1 is down
+    assert p.set_health("u2", False) == [b] and b.upstream == "u1"  # the last one down: b goes
+    c = large()
+    assert p.submit(c) is Decision.QUEUED  # both have their one large prefill
+    p.finish(a), p.finish(b)
+    assert c.phase is Phase.PREFILLING
+    d = Ticket(I, 40, prefer=c.upstream)
+    decoding(p, d)
+    p.finish(c)
+    e = large()
+    assert p.submit(e) is Decision.ADMITTED  # the other one: nothing decodes there
+    assert p.submit(large()) is Decision.QUEUED  # d decodes on one, e prefills on the other
+
+
 def test_interactive_goes_to_least_active_healthy_upstream():
     p, _ = policy(upstreams=("u1", "u2"))
     t1, t2, t3 = small(), small(), small()

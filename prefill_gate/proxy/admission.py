@@ -5,7 +5,9 @@ with a fake one. ``gate.py`` puts the waiting (futures, timers, cancellation) on
 
 The rule, per upstream: a *large* prefill is admitted only while that upstream is
 healthy, has at most ``max_decodes_for_large`` live protected decodes and fewer
-than ``max_large_in_flight`` large prefills still prefilling. Otherwise it waits
+than ``max_large_in_flight`` large prefills still prefilling. With every upstream down,
+health no longer picks (as for interactive requests): a large prefill is not held for an
+upstream to come back, it goes and fails as fast as an interactive request does. Otherwise it waits
 in one queue ordered by (priority, arrival); lower priority values go first, as
 in vLLM. *Interactive* requests are never queued. A queued ticket leaves when the
 rule lets it in, when its wait bound passes (``expire``: admit or reject), or when
@@ -342,8 +344,10 @@ class AdmissionPolicy:
         return self._pump()
 
     def set_health(self, upstream: str, healthy: bool) -> list[Ticket]:
+        """Tickets admitted by the change: one that comes back may take the queue's head, and
+        so may the last one going down (with none left up, health no longer decides, below)."""
         self.upstreams[upstream].healthy = healthy
-        return self._pump() if healthy else []
+        return self._pump()
 
     # ---------------------------------------------------------------- helpers
     def _healthy(self) -> list[UpstreamState]:
@@ -365,8 +369,8 @@ class AdmissionPolicy:
         tokens = ticket.tokens if ticket is not None else 0
         ok = [
             u
-            for u in self.upstreams.values()
-            if u.healthy and u.large_in_flight < lim.max_large_in_flight
+            for u in self._healthy()  # none healthy: all, as for interactive requests (errors will tell)
+            if u.large_in_flight < lim.max_large_in_flight
             and (u.slicer is None or not lim.slice_idle)  # slice_idle: none runs whole beside a slicer
             and (u.live_decodes <= lim.max_decodes_for_large
                 or (lim.itl_slo is not None and u.prefill_tokens + tokens <= u.budget_tokens)
