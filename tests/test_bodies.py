@@ -314,6 +314,32 @@ async def test_where_processes_cannot_be_made_every_body_is_read_inline(monkeypa
     assert not reader.offloads(len(big)) and reader._pool is None
 
 
+def _read_in_a_daemon(answers) -> None:
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=2)
+    big = chat(filler="x" * 5000)
+    try:
+        body = asyncio.run(reader.read(big, "chat"))
+        answers.put(("read", body.model, reader.workers, reader._pool is None))
+    except BaseException as exc:  # noqa: BLE001 (what the request would have got: a 500)
+        answers.put(("raised", f"{type(exc).__name__}: {exc}"))
+
+
+def test_in_a_daemonic_process_the_reader_reads_inline_not_a_500():
+    """A proxy run inside a daemonic process (a multiprocessing worker of someone's app) may
+    not start processes: the pool's first submit raised AssertionError and the request got a
+    500. Now the reader says so once and reads every body on the loop."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    answers = ctx.Queue()
+    child = ctx.Process(target=_read_in_a_daemon, args=(answers,), daemon=True)
+    child.start()
+    try:
+        assert answers.get(timeout=60) == ("read", "m", 0, True)
+    finally:
+        child.join(10)
+
+
 def _with_member_as_it_was(raw: bytes, member: bytes) -> bytes | None:
     body = raw.strip(b" \t\r\n")
     if not (body.startswith(b"{") and body.endswith(b"}")):

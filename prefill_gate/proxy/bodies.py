@@ -198,6 +198,10 @@ def _unpacked(answer: tuple, raw: bytes) -> RequestBody:
     return body
 
 
+class _CannotStart(Exception):
+    """This process may not start body reader processes."""
+
+
 class BodyReader:
     """Reads request bodies (and the other big JSON of a request, below): under
     ``offload_bytes`` inline, the rest in ``workers`` worker processes (started with the first
@@ -273,8 +277,8 @@ class BodyReader:
                 return fn(*args)
         pool = self._pool
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-        except BrokenProcessPool:
+            answer = await self._submit(pool, fn, *args)
+        except BrokenProcessPool:  # from the submit (a pool already broken) or from the work
             if self._pool is pool:
                 self._pool = None
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -286,8 +290,25 @@ class BodyReader:
                               "loop for %g s", self.BREAKS_TO_PAUSE, self.PAUSE_S)
             log.warning("a body reader process died; doing its work (%s) on the event loop", fn.__name__)
             return fn(*args)
+        except _CannotStart as exc:
+            log.error("body reader processes cannot start here (%s); reading every body on the event loop", exc)
+            self._pool, self.workers = None, 0
+            pool.shutdown(wait=False, cancel_futures=True)
+            return fn(*args)
         self._breaks = 0
         return answer
+
+    @staticmethod
+    def _submit(pool: ProcessPoolExecutor, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` in the pool. Its processes start on a submit, and where this process may
+        not make any (a daemonic process: AssertionError; fork failing: OSError) that is
+        ``_CannotStart``, not the request's error."""
+        try:
+            return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        except BrokenProcessPool:
+            raise
+        except (OSError, AssertionError, RuntimeError) as exc:
+            raise _CannotStart(f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         if self._pool is not None:
