@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS, _gated_delta_kernel
+from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS, SUB_BLOCK, _gated_delta_kernel
 from prefill_gate.kernels.paged_attention import MERGE_ROWS, ROWS, _merge_splits, _tile_attention, launch_config
 
 PTR_ARGS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
@@ -123,7 +123,7 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
     fn = _gated_delta_kernel
     constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
                   "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages,
-                  "CHUNK": chunk, "PRECISION": "tf32"}
+                  "CHUNK": chunk, "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32"}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"

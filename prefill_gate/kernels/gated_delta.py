@@ -28,8 +28,9 @@ here only when its prompt tokens are few. On the H200 that walk is ~1.8 us a tok
 a 300-token prompt's step over 48 layers (bench/results/gdn/h200/).
 
 With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
-program (``_chunk``): per chunk of C tokens a handful of matrix products and a C-step forward
-substitution on a C x C tile, so a prompt costs n / C dependent rounds instead of n. Decodes
+program (``_chunk``): per chunk of C tokens a handful of matrix products and the in-chunk
+system solved by blocked substitution (15 small products, and two more a merge for chunks of 32
+and 64), so a prompt costs n / C dependent rounds instead of n. Decodes
 and prompts shorter than a chunk keep the token path and its bits.
 
 Semantics are ``prefill_gate.kernels.reference.gated_delta_ref``'s (the executable
@@ -50,6 +51,9 @@ BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in 
 CHUNK_BLOCK_V, CHUNK_WARPS = 16, 8  # with chunks: 16 value rows and 8 warps a program, the shape that
 # compiles without spills for sm_90 (python -m prefill_gate.kernels.aot; 4 warps or 32 rows spill)
 MIN_DOT = 16  # tl.dot's least side: the chunk and both state blocks
+SUB_BLOCK = 16  # rows a chunk's in-chunk system is solved in by substitution; larger chunks merge them
+MAX_MERGES = tl.constexpr(2)
+MAX_CHUNK = SUB_BLOCK << 2  # 64: two merges of substituted blocks
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
@@ -72,17 +76,40 @@ def _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b
 
 
 @triton.jit
+def _unit_lower_inverse(A, C: tl.constexpr, SUB: tl.constexpr):
+    """(I + A)^-1 for a strictly lower triangular [C, C] tile A, in float32 products.
+
+    Blocked as a triangular inverse is done by hand: forward substitution inside each diagonal
+    block of SUB rows, one row of every block per round (row r: e_r - sum_j A_rj T_j over the
+    block's earlier rows, which are final: one product for all blocks at once), SUB - 1 rounds;
+    then neighbouring blocks merged, doubling: with D the inverse found so far (block diagonal)
+    and L the coupling of each pair's second block to its first, T = D - D L D. Each step is the
+    exact arithmetic of elimination, none of the powers of A whose sum cancels."""
+    row = tl.arange(0, C)
+    T = tl.where(row[:, None] == row[None, :], 1.0, 0.0)
+    inside = (row[:, None] // SUB) == (row[None, :] // SUB)
+    for i in tl.static_range(1, SUB):
+        rows_i = tl.where(inside & ((row[:, None] % SUB) == i), A, 0.0)
+        T -= tl.dot(rows_i, T, input_precision="ieee")
+    for level in tl.static_range(MAX_MERGES):  # blocks of SUB << level merged in pairs, while smaller than C
+        if (SUB << level) < C:
+            pair = (row[:, None] // (SUB << (level + 1))) == (row[None, :] // (SUB << (level + 1)))
+            L = tl.where(pair & ((row[:, None] // (SUB << level)) != (row[None, :] // (SUB << level))), A, 0.0)
+            T -= tl.dot(tl.dot(T, L, input_precision="ieee"), T, input_precision="ieee")
+    return T
+
+
+@triton.jit
 def _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
            i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale,
-           K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+           K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
     """C tokens from t0 (those at or past eos are padding: they change nothing) in the chunked
     form of the rule; returns the state tile after them and writes their outputs.
 
     With G the running sum of the log decays inside the chunk (token i's decay from the chunk's
     start is exp(G_i)), S0 the state before it (a [BV, BK] tile, rows of value), the chunk's
     pseudo-values U ([C, BV]) solve (I + A) U = beta * (v - exp(G) * k S0^T), with A strictly lower
-    triangular, A_ij = beta_i exp(G_i - G_j) k_i.k_j. T = (I + A)^-1 is built row by row (forward
-    substitution: exact arithmetic of the sequential rule, no powers of A that cancel), then
+    triangular, A_ij = beta_i exp(G_i - G_j) k_i.k_j. T = (I + A)^-1 (``_unit_lower_inverse``), then
         out   = exp(G) * q S0^T + M U,         M_ij = exp(G_i - G_j) q_i.k_j  (j <= i)
         S     = exp(G_last) S0 + (exp(G_last - G) * U)^T k
     Every exponent is a difference G_i - G_j with j <= i (or G itself), never positive. G is a
@@ -106,10 +133,7 @@ def _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a,
     causal = row[:, None] >= row[None, :]
     gap = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)  # exp(G_i - G_j), j <= i
     A = tl.where(row[:, None] > row[None, :], beta[:, None] * gap * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    T = tl.where(row[:, None] == row[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, C):  # row i of T: e_i - sum_j A_ij T_j (rows j < i are final)
-        a_i = tl.sum(tl.where(row[:, None] == i, A, 0.0), 0)
-        T -= tl.where(row[:, None] == i, tl.sum(a_i[:, None] * T, 0)[None, :], 0.0)
+    T = _unit_lower_inverse(A, C, SUB)
 
     decayed = tl.exp(G)
     U = tl.dot(T, b_v * beta[:, None], input_precision=PRECISION)
@@ -129,7 +153,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
                         stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_slot, scale,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr, STAGES: tl.constexpr,
-                        CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                        CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -161,7 +185,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
     if CHUNK > 0 and eos - bos >= CHUNK:  # a prompt: in chunks, the last one padded
         for t0 in tl.range(bos, eos, CHUNK, num_stages=STAGES):
             h = _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
-                       i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V, CHUNK, PRECISION)
+                       i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V, CHUNK, SUB, PRECISION)
     else:  # decodes (and prompts shorter than a chunk): token by token, vLLM's decode arithmetic
         for t in tl.range(bos, eos, num_stages=STAGES):  # STAGES > 1: the next tokens' loads in flight
             h, b_o = _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv,
@@ -234,8 +258,8 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     if block_v < 1 or block_v & (block_v - 1) or stages < 1:
         raise ValueError(f"block_v must be a power of two and stages >= 1, got {block_v}, {stages}")
     block_v = min(triton.next_power_of_2(V), block_v)
-    if chunk and (chunk < MIN_DOT or chunk & (chunk - 1) or min(block_v, block_k) < MIN_DOT):
-        raise ValueError(f"chunk must be 0 or a power of two >= {MIN_DOT}, with blocks of at least {MIN_DOT} "
+    if chunk and (not MIN_DOT <= chunk <= MAX_CHUNK or chunk & (chunk - 1) or min(block_v, block_k) < MIN_DOT):
+        raise ValueError(f"chunk must be 0 or a power of two in {MIN_DOT}..{MAX_CHUNK}, with blocks of at least {MIN_DOT} "
                          f"key and value rows (a matrix product's least side); got chunk {chunk}, "
                          f"block_v {block_v}, K {K}")
     if precision not in PRECISIONS:
@@ -247,5 +271,5 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
         *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
         K ** -0.5 if scale is None else scale,
         H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None, STAGES=stages,
-        CHUNK=chunk, PRECISION=precision, num_warps=num_warps)
+        CHUNK=chunk, SUB=min(chunk, SUB_BLOCK) if chunk else 1, PRECISION=precision, num_warps=num_warps)
     return out

@@ -135,8 +135,8 @@ def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
 def test_chunk_settings_are_checked():
     step = make_step([20])
     indices = torch.tensor([1], dtype=torch.int32)
-    for chunk, block_v in ((8, 16), (24, 16), (16, 8)):
-        with pytest.raises(ValueError, match="chunk must be 0 or a power of two >= 16"):
+    for chunk, block_v in ((8, 16), (24, 16), (128, 16), (16, 8)):
+        with pytest.raises(ValueError, match="chunk must be 0 or a power of two in 16..64"):
             gated_delta_recurrent(**step, state_indices=indices, chunk=chunk, block_v=block_v)
     with pytest.raises(ValueError, match="precision must be one of"):
         gated_delta_recurrent(**step, state_indices=indices, chunk=16, precision="fp8")
