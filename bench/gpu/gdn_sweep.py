@@ -37,8 +37,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=30, help="timed calls per path and length")
     p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES[xCHUNK[xWARPS]], "
                    "comma-separated")
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", required=True, help="where the sweep goes (with --choice: a sweep to read)")
+    p.add_argument("--choice", action="store_true",
+                   help="print the sweep's choice in --json as 'CHUNK LIMIT' (off for none) and run nothing")
     args = p.parse_args()
+    if args.choice:
+        c = json.loads(Path(args.json).read_text()).get("choice") or {}
+        print(c.get("chunk") or "off", c.get("limit") or "off")
+        return 0
     from tests.engine.gdn_gpu import compare_paths
 
     shapes = [launch_shape(shape) for shape in args.shapes.split(",")]
@@ -49,9 +55,53 @@ def main() -> int:
             rows.append({"prompt": n, "shape": name, **r})
             print(f"[gdn] {n} {name}: {r}", file=sys.stderr, flush=True)
     print(table(rows, COLUMNS))
+    choice = choose(rows)
+    print(f"choice: {choice}")
     Path(args.json).write_text(json.dumps({"bench": "gdn_sweep", "decodes": args.decodes, "rows": rows,
-                                           **environment()}, indent=1, default=float) + "\n")
+                                           "choice": choice, **environment()}, indent=1, default=float) + "\n")
     return 0
+
+
+MAX_OUT_REL = 0.02  # a prompt's outputs within 2% of vLLM's path (rounding, not a bug)
+
+
+def deployable(shape: str) -> int | None:
+    """The PREFILL_GATE_GDN_CHUNK a shape is what the engine patch runs with (the kernel's own
+    launch defaults for that chunk), or None for a shape only a code change would deploy."""
+    from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS
+
+    launch = launch_shape(shape)[1]
+    chunk = launch.get("chunk", 0)
+    want = {"block_v": CHUNK_BLOCK_V if chunk else BLOCK_V, "stages": 1, "chunk": chunk,
+            "num_warps": CHUNK_WARPS if chunk else 4}
+    return chunk if {**want, **launch} == want else None
+
+
+def choose(rows: list[dict]) -> dict | None:
+    """PREFILL_GATE_GDN_CHUNK and _RECURRENT for the stack from a sweep: per deployable shape
+    the limit is the last prompt length up to which, at every length swept, ours is faster than
+    vLLM's path (GPU time), its outputs within MAX_OUT_REL and the decodes' outputs identical; the
+    shape with the largest limit wins (a tie: the faster at the length nearest 300 tokens, a
+    short agent turn). None: no shape pays at the shortest length."""
+    best = None
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        chunk = deployable(shape)
+        if chunk is None:
+            continue
+        mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["prompt"])
+        limit = 0
+        for r in mine:
+            if not (r["ours_wall_ms"] < r["stock_wall_ms"] and r["out_rel"] <= MAX_OUT_REL and r["decode_out_equal"]):
+                break
+            limit = r["prompt"]
+        if not limit:
+            continue
+        near = min(mine, key=lambda r: abs(r["prompt"] - 300))
+        key = (limit, -near["ours_wall_ms"])
+        if best is None or key > best[0]:
+            best = (key, {"chunk": chunk, "limit": limit, "shape": shape, "ms_near_300": near["ours_wall_ms"],
+                          "stock_ms_near_300": near["stock_wall_ms"]})
+    return best[1] if best else None
 
 
 def launch_shape(text: str) -> tuple[str, dict]:

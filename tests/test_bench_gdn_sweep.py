@@ -1,0 +1,52 @@
+"""bench/gpu/gdn_sweep.py's choice of PREFILL_GATE_GDN_CHUNK and _RECURRENT from a sweep (the
+sweep itself needs a GPU; bench/gpu/gdn_h200.sh's hybrid stage starts its server with the
+choice). Rows here are made up, shaped as the sweep writes them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the choice reads the kernel's launch defaults")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+import gdn_sweep  # noqa: E402
+
+
+def row(prompt, shape, ours, stock=1.0, out_rel=0.006, decodes=True):
+    return {"prompt": prompt, "shape": shape, "ours_wall_ms": ours, "stock_wall_ms": stock, "out_rel": out_rel,
+            "decode_out_equal": decodes}
+
+
+def test_the_longest_limit_wins_among_what_the_patch_can_run():
+    rows = []
+    for n in (16, 256, 512, 1024, 2048):
+        rows.append(row(n, "32x1", 0.15 + 0.0018 * n))  # the token walk: pays to 512
+        rows.append(row(n, "16x1x16x8", 0.12 + 0.0003 * n))  # chunks of 16: to 2048
+        rows.append(row(n, "32x1x16x8", 0.10 + 0.0001 * n))  # faster, but not a shape the patch launches
+    choice = gdn_sweep.choose(rows)
+    assert (choice["chunk"], choice["limit"], choice["shape"]) == (16, 2048, "16x1x16x8")
+    assert gdn_sweep.deployable("32x1x16x8") is None and gdn_sweep.deployable("32x1") == 0
+
+
+def test_a_limit_ends_at_the_first_length_that_fails_and_none_may_pay():
+    rows = [row(16, "16x1x16x8", 0.2), row(256, "16x1x16x8", 0.3, out_rel=0.05),  # too far from vLLM's
+            row(512, "16x1x16x8", 0.4), row(16, "32x1", 0.2), row(256, "32x1", 0.5, decodes=False)]
+    assert gdn_sweep.choose(rows)["limit"] == 16
+    assert gdn_sweep.choose([row(16, "32x1", 1.2), row(256, "32x1", 0.5)]) is None  # slower at the shortest
+
+
+def test_the_hybrid_stage_reads_the_choice(tmp_path):
+    sweep = tmp_path / "sweep.json"
+    read = [sys.executable, str(ROOT / "bench/gpu/gdn_sweep.py"), "--choice", "--json", str(sweep)]
+    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 16, "limit": 2048}}))
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["16", "2048"]
+    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 0, "limit": 512}}))
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "512"]
+    sweep.write_text(json.dumps({"rows": [], "choice": None}))
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "off"]
