@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from prefill_gate.proxy.bench.defaults import CHECKS, Plan, Runner, collect, figures, judge, report
+from prefill_gate.proxy.bench.defaults import CHECKS, HYBRID_CHECKS, Plan, Runner, collect, figures, judge, report
 from prefill_gate.proxy.bench.mixed import MixedShape
 from prefill_gate.proxy.bench.overlap import Shape
+from prefill_gate.proxy.bench.short import ShortShape
 
 
 def part(**mixed):
@@ -73,6 +74,45 @@ def test_the_stack_row_is_held_to_the_prompt_alone_on_the_stock_engine():
     assert g["a_x"] == pytest.approx(1.5) and "a_x_own" not in g and g["long_x_p50"] == 1.3
     # Without the direct row measured, the stack's own alone is all there is.
     assert figures("stack", results["stack"], None)["a_x"] == pytest.approx(1.5)
+
+
+def test_the_hybrid_suite_judges_the_stack_by_issue_50s_bounds():
+    """``--checks hybrid``: the short-prompt cost against the stream's step, the pair, and steady
+    gaps against the users alone (``itl_p99_x_baseline``), on the stack row only."""
+    short = {"cost_ms_p50": 28.0, "cost_ms_max": 46.0, "step_ms_p50": 15.0, "cost_x_step_p50": 28 / 15,
+             "cost_x_step_max": 46 / 15}
+    results = {
+        "direct": {"short": {**short, "cost_ms_p50": 115.0, "cost_x_step_p50": 115 / 15},
+                   "pair": pair((180.0, 3.0, 3.0))},
+        "stack": {"short": short, "pair": pair((45.0, 6.5, 3.1)),
+                  "steady": part(itl_ms_p99=30.0, itl_p99_x_baseline=1.9, long_x_p50=1.8, long_ttft_s_p50=1.0)},
+    }
+    f = figures("stack", results["stack"], results["direct"])
+    assert f["short_cost_ms_p50"] == 28.0 and f["short_cost_x_step_max"] == pytest.approx(46 / 15)
+    verdicts = {v["metric"]: v["ok"] for v in judge(results, HYBRID_CHECKS)}
+    assert set(verdicts) == {c.metric for c in HYBRID_CHECKS} and {v["row"] for v in judge(results, HYBRID_CHECKS)} == {"stack"}
+    assert [m for m, ok in verdicts.items() if not ok] == ["short_cost_x_step_max", "a_x"]  # 3.07x; 6.5 / 3.0 s
+    text, _ = report(results, "hybrid")
+    assert "x users alone" in text and "MISS stack  pair   A within 2x alone: 2.17 (bound 2)" in text
+    assert "MISS stack  short  a new short prompt costs streams <= 3x their step (max): 3.07 (bound 3)" in text
+    assert not any(v["metric"].startswith("short") for v in judge(results))  # not a promise of the defaults
+
+
+@pytest.mark.slow
+def test_the_short_part_on_the_simulator(tmp_path):
+    """``--parts short`` runs ``bench short`` against each row (through the row's proxy where it
+    has one) and the hybrid suite's figures come out of it."""
+    from prefill_gate.proxy.bench.services import Service
+
+    plan = Plan(short=ShortShape(streams=2, every_s=0.8, duration_s=6.0, warmup_s=1.0))
+    with Service("sim", name="stock") as stock, Service("sim", "--pacing-cap", "256", name="paced") as paced:
+        Runner(stock.url, paced.url, tmp_path, plan, None, [], progress=False).run(["direct", "stack"], ["short"])
+    results = collect(tmp_path)
+    assert {row: set(parts) for row, parts in results.items()} == {"direct": {"short"}, "stack": {"short"}}
+    for row in ("direct", "stack"):
+        f = figures(row, results[row], results["direct"])
+        assert results[row]["short"]["answered"] >= 4 and 0 < f["short_step_ms_p50"] < f["short_cost_ms_max"], f
+    assert "proxy-stack.log" in {p.name for p in tmp_path.iterdir()}  # the stack row went through its proxy
 
 
 @pytest.mark.slow

@@ -21,16 +21,43 @@
 # new proxy (rows with one), every run the first long prompt a proxy slices.
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
 # end, a steady part ~3 minutes; the device kills a call at 600 s); 0: no limit.
+#
+# CLASS=hybrid: the report's model class instead (issue 50): the 27B Gated DeltaNet hybrid
+# (.gpu/model-hybrid-27b) as bench/gpu/gdn_h200.sh serves it (fp8 KV, prefix caching in align
+# mode, --max-num-batched-tokens 2048, --max-num-seqs 64, Triton GDN prefill, vLLM's own
+# compilation config), rows direct and stack, parts short, pair and steady (8 users, a 20k prompt
+# every ~10 s, 90 s), judged by `--checks hybrid`. The paced server as the stack would run it on
+# that class: adaptive pacing at TARGET_MS (30: twice its ~15 ms decode step), below the align
+# block (SUB_BLOCK=1), the GDN path (GDN_LIMIT, default on; GDN_CHUNK, default off: take both
+# from gdn_h200.sh's kernel stage, `python3 bench/gpu/gdn_sweep.py --choice --json .../sweep.json`).
+#   source .gpu/device_setup.sh setup && CLASS=hybrid GDN_CHUNK=16 GDN_LIMIT=2048 DEADLINE=400 \
+#     bash bench/gpu/defaults_h200.sh "$OUT"
 set -u
 OUT=${1:-out/defaults}
-MODEL=${MODEL:-.gpu/model-qwen3-8b}
-UTIL=${UTIL:-0.2}
-KV_BYTES=${KV_BYTES:-17179869184}
-ROWS=${ROWS:-direct,proxy,stack,hold}
-PARTS=${PARTS:-pair,sparse,steady}
-WORK=${WORK:-/root/defaults}
+CLASS=${CLASS:-dense}
+case $CLASS in
+  dense)
+    MODEL=${MODEL:-.gpu/model-qwen3-8b} UTIL=${UTIL:-0.2} KV_BYTES=${KV_BYTES:-17179869184}
+    ROWS=${ROWS:-direct,proxy,stack,hold} PARTS=${PARTS:-pair,sparse,steady} WORK=${WORK:-/root/defaults}
+    DURATION=${DURATION:-120} CHECKS=defaults USERS=12 LONG_EVERY=4
+    ENGINE_ARGS=(--max-num-batched-tokens 8192 --enable-prompt-tokens-details)
+    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=15)
+    PACED_ARGS=(--compilation-config '{"cudagraph_mode":"FULL"}')
+    SIM_ARGS=() SIM_PACED_ARGS=(--pacing-cap 256) ;;
+  hybrid)
+    MODEL=${MODEL:-.gpu/model-hybrid-27b} UTIL=${UTIL:-0.45} KV_BYTES=${KV_BYTES:-10737418240}
+    ROWS=${ROWS:-direct,stack} PARTS=${PARTS:-short,pair,steady} WORK=${WORK:-/root/hybrid-stack}
+    DURATION=${DURATION:-90} CHECKS=hybrid USERS=8 LONG_EVERY=10
+    ENGINE_ARGS=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
+                 --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
+                 --max-num-batched-tokens 2048)
+    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-30} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
+               PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off})
+    PACED_ARGS=()
+    SIM_ARGS=(--preset h200-27b-hybrid) SIM_PACED_ARGS=(--preset h200-27b-hybrid --pacing-cap 1568 --pacing-sub-block) ;;
+  *) echo "CLASS must be dense or hybrid" >&2; exit 2 ;;
+esac
 [ "${DRY_RUN:-0}" = 1 ] && WORK=${WORK_DRY:-$OUT/work}
-DURATION=${DURATION:-120}
 BASELINE=${BASELINE:-20}
 SPARSE_DURATION=${SPARSE_DURATION:-60}
 PAIR_RUNS=${PAIR_RUNS:-3}
@@ -63,15 +90,17 @@ else
   gpu_info
   for name in $missing; do
     if [ "${DRY_RUN:-0}" = 1 ]; then
-      if [ $name = stock ]; then start_server stock $STOCK; else start_server paced $PACED --pacing-cap 256; fi
+      if [ $name = stock ]; then start_server stock $STOCK "${SIM_ARGS[@]}"; else start_server paced $PACED "${SIM_PACED_ARGS[@]}"; fi
     elif [ $name = stock ]; then
-      start_server stock $STOCK --max-num-batched-tokens 8192 --enable-prompt-tokens-details
+      start_server stock $STOCK "${ENGINE_ARGS[@]}"
       sleep 12  # the second start's memory profiling after the first's
     else
-      PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_TARGET_ITL_MS=15 PREFILL_GATE_PACING_LOG_INTERVAL_S=10 \
-        start_server paced $PACED --max-num-batched-tokens 8192 --enable-prompt-tokens-details \
-        --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler \
-        --compilation-config '{"cudagraph_mode":"FULL"}'
+      # the engine patches' settings for this server only (a proxy started later must not see them)
+      PACED_ENV+=(PREFILL_GATE_PACING=adaptive PREFILL_GATE_PACING_LOG_INTERVAL_S=10)
+      for kv in "${PACED_ENV[@]}"; do export "$kv"; done
+      start_server paced $PACED "${ENGINE_ARGS[@]}" \
+        --scheduler-cls prefill_gate.engine_patches.pacing.PacedAsyncScheduler "${PACED_ARGS[@]}"
+      for kv in "${PACED_ENV[@]}"; do unset "${kv%%=*}"; done
     fi
   done
   for name in $missing; do
@@ -94,8 +123,10 @@ if [ "${DEADLINE:-0}" -gt 0 ]; then
 fi
 say "bench defaults: $ROWS, $PARTS (parts start within $BUDGET s)"
 python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
+  --checks "$CHECKS" --users "$USERS" --long-every "$LONG_EVERY" \
   --model m --work "$RES" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
-  --sparse-duration "$SPARSE_DURATION" --pair-runs "$PAIR_RUNS" $FRESH --budget "$BUDGET" \
+  --sparse-duration "$SPARSE_DURATION" --short-duration "${SHORT_DURATION:-45}" --pair-runs "$PAIR_RUNS" $FRESH \
+  --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | tail -40 > "$OUT/paced-server.log"

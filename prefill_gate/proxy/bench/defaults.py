@@ -11,10 +11,13 @@ it serves every row the same schedules and checks each against what the defaults
 Each row runs three parts: ``pair`` (the seed pair: a stream B, a long prompt A arriving
 when B has 64 tokens; ``--pair-runs`` runs), ``sparse`` (a few users who pause often, so long
 prompts often arrive with nothing live) and ``steady`` (``bench mixed``: many users who never
-pause together, a long prompt at Poisson times). The proxies are started here, with the
-flags above and nothing else. Every part is written to ``--work`` as it ends and skipped when
+pause together, a long prompt at Poisson times); on request a fourth, ``short`` (``bench
+short``: what one new short prompt costs the streams live, the hybrid's hard case). The proxies
+are started here, with the flags above and nothing else. ``--checks hybrid`` judges the stack
+by what it must do on a Gated DeltaNet hybrid (``HYBRID_CHECKS``) instead of the defaults'
+promises. Every part is written to ``--work`` as it ends and skipped when
 it is already there: a run split over several calls (servers that outlive them) resumes.
-The merged JSON holds every part, the checks (``CHECKS``) and the machine, versions, command
+The merged JSON holds every part, the checks (``CHECKS`` or ``HYBRID_CHECKS``) and the machine, versions, command
 and commit; the table and the plot say the same.
 """
 
@@ -34,9 +37,11 @@ from .mixed import SLO, MixedShape, measure_endpoint
 from .overlap import KEYS, Shape, over_runs, run_overlap
 from .report import environment, table, write_json
 from .services import Service
+from .short import ShortShape, run_short
 
 ROWS = ("direct", "hold", "proxy", "stack")
-PARTS = ("pair", "sparse", "steady")
+PARTS = ("pair", "sparse", "steady", "short")
+DEFAULT_PARTS = ("pair", "sparse", "steady")
 # The proxy each row runs (None: the engine itself) and the engine it is in front of.
 PROXY_FLAGS = {"direct": None, "hold": ["--slicing", "off"], "proxy": [], "stack": []}
 ENGINE = {"direct": "stock", "hold": "stock", "proxy": "stock", "stack": "paced"}
@@ -75,12 +80,25 @@ CHECKS = (
 ) + tuple(Check(row, "sparse", "long_vs_direct", 2.0, "sparse users: long prompts within 2x direct's")
           for row in ("hold", "proxy", "stack"))
 
+# What the stack must do on the report's model class, a Gated DeltaNet hybrid in align mode
+# (issue 50: the 27B hybrid on the H200, against stock vLLM in the same run; decode step ~15 ms).
+HYBRID_CHECKS = (
+    Check("stack", "short", "short_cost_x_step_p50", 2.0, "a new short prompt costs streams <= 2x their step (p50)"),
+    Check("stack", "short", "short_cost_x_step_max", 3.0, "a new short prompt costs streams <= 3x their step (max)"),
+    Check("stack", "pair", "b_max_ms", 50.0, "B's worst gap within 50 ms"),
+    Check("stack", "pair", "a_x", 2.0, "A within 2x alone"),
+    Check("stack", "steady", "itl_p99_x_baseline", 2.0, "stream gaps p99 within 2x the users alone"),
+    Check("stack", "steady", "long_x_p50", 2.0, "long prompts p50 within 2x alone"),
+)
+SUITES = {"defaults": CHECKS, "hybrid": HYBRID_CHECKS}
+
 
 @dataclass(frozen=True)
 class Plan:
     steady: MixedShape = MixedShape()
     sparse: MixedShape = MixedShape(users=3, think=2.0, duration=60.0, baseline_duration=15.0)
     pair: Shape = Shape()
+    short: ShortShape = ShortShape(duration_s=45.0)
     pair_runs: int = 3
     pair_fresh_proxy: bool = False  # each pair run through a proxy of its own (every run a new proxy's first)
     seed: int = 0
@@ -100,7 +118,8 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
     if steady is not None:
         m = steady["mixed"]
         out.update({k: m.get(k, math.nan) for k in ("itl_ms_p99", "itl_ms_p999", "itl_ms_max", "ttft_ms_p99",
-                                                    "long_x_p50", "long_x_p90", "long_ttft_s_p50")})
+                                                    "long_x_p50", "long_x_p90", "long_ttft_s_p50",
+                                                    "itl_p99_x_baseline")})
         stock = direct.get("steady", {}).get("long_alone_ttft_s_p50") if foreign else None
         if stock:
             out["long_x_p50_own"], out["long_x_p90_own"] = out["long_x_p50"], out["long_x_p90"]
@@ -115,6 +134,10 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
         if stock_runs:
             alone = statistics.median(r["a_solo_ttft_s"] for r in stock_runs)
             out["a_x_own"], out["a_x"] = out["a_x"], max(r["a_ttft_s"] for r in runs) / alone
+    short = parts.get("short")
+    if short is not None:
+        out.update({f"short_{k}": short.get(k, math.nan)
+                    for k in ("cost_ms_p50", "cost_ms_max", "step_ms_p50", "cost_x_step_p50", "cost_x_step_max")})
     sparse = parts.get("sparse")
     if sparse is not None:
         out["sparse_long_ttft_s_p50"] = sparse["mixed"].get("long_ttft_s_p50", math.nan)
@@ -124,11 +147,11 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
     return out
 
 
-def judge(results: dict[str, dict[str, dict]]) -> list[dict]:
+def judge(results: dict[str, dict[str, dict]], checks: tuple[Check, ...] = CHECKS) -> list[dict]:
     """Every check whose row and part were measured: its value and whether it held."""
     direct = results.get("direct")
     verdicts = []
-    for c in CHECKS:
+    for c in checks:
         if c.part not in results.get(c.row, {}):
             continue
         value = figures(c.row, results[c.row], direct).get(c.metric, math.nan)
@@ -235,6 +258,8 @@ class Runner:
             if part == "pair":
                 result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
                 result["raw"] = result["raw"][:1]  # the first run's tokens: its timeline, for the plot
+            elif part == "short":
+                result = asyncio.run(run_short(url, self.model, p.short, p.seed, progress=self.progress))
             else:
                 shape = p.steady if part == "steady" else p.sparse
                 result = asyncio.run(measure_endpoint(url, row, shape, SLO(), p.seed, self.model, p.time_scale,
@@ -260,13 +285,18 @@ COLUMNS = [("row", "row"), ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9
            ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"), ("a_x_own", "own engine"),
            ("sparse_long_ttft_s_p50", "sparse long p50 s"),
            ("long_vs_direct", "x direct")]
+HYBRID_COLUMNS = [("row", "row"), ("short_step_ms_p50", "step ms"), ("short_cost_ms_p50", "short cost p50 ms"),
+                  ("short_cost_ms_max", "max"), ("short_cost_x_step_p50", "x step p50"),
+                  ("short_cost_x_step_max", "x step max"), ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"),
+                  ("itl_ms_p99", "gaps p99 ms"), ("itl_p99_x_baseline", "x users alone"), ("itl_ms_max", "max"),
+                  ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x")]
 
 
-def report(results: dict[str, dict[str, dict]]) -> tuple[str, list[dict]]:
+def report(results: dict[str, dict[str, dict]], suite: str = "defaults") -> tuple[str, list[dict]]:
     direct = results.get("direct")
     rows = [{"row": row, **figures(row, results[row], direct)} for row in ROWS if row in results]
-    verdicts = judge(results)
-    lines = [table(rows, COLUMNS), ""]
+    verdicts = judge(results, SUITES[suite])
+    lines = [table(rows, HYBRID_COLUMNS if suite == "hybrid" else COLUMNS), ""]
     for v in verdicts:
         lines.append(f"{'ok  ' if v['ok'] else 'MISS'} {v['row']:<6} {v['part']:<6} {v['what']}: "
                      f"{v['value']:.3g} (bound {v['bound']:g})")
@@ -278,7 +308,11 @@ def add_arguments(p) -> None:
     p.add_argument("--paced", help="the same engine with the engine patches' step pacing (the stack row)")
     p.add_argument("--work", required=True, help="folder for each part's JSON (a rerun skips what is there)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated, of {', '.join(PARTS)} "
+                   "(short: `bench short`, what one new short prompt costs live streams)")
+    p.add_argument("--checks", choices=sorted(SUITES), default="defaults",
+                   help="the promises judged: the defaults' (issue 49), or the stack's on a Gated DeltaNet "
+                        "hybrid (issue 50)")
     p.add_argument("--model", help="model name (default: the first of /v1/models)")
     p.add_argument("--duration", type=float, default=120.0, help="steady: seconds of steady load")
     p.add_argument("--baseline-duration", type=float, default=30.0, help="steady: seconds of the users alone")
@@ -288,6 +322,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sparse-users", type=int, default=3)
     p.add_argument("--sparse-think", type=float, default=2.0, help="sparse: mean think time, seconds")
     p.add_argument("--sparse-duration", type=float, default=60.0)
+    p.add_argument("--short-duration", type=float, default=45.0, help="short: seconds of short prompts")
     p.add_argument("--pair-runs", type=int, default=3)
     p.add_argument("--pair-long", type=int, default=28_600, help="the seed pair's A: prompt tokens")
     p.add_argument("--pair-fresh-proxy", action="store_true",
@@ -311,7 +346,8 @@ def plan_from(args) -> Plan:
                         duration=args.duration, baseline_duration=args.baseline_duration)
     sparse = replace(steady, users=args.sparse_users, think=args.sparse_think, duration=args.sparse_duration,
                      baseline_duration=min(args.baseline_duration, args.sparse_duration / 4))
-    return Plan(steady=steady, sparse=sparse, pair=Shape(long_tokens=args.pair_long), pair_runs=args.pair_runs,
+    return Plan(steady=steady, sparse=sparse, pair=Shape(long_tokens=args.pair_long),
+                short=ShortShape(duration_s=args.short_duration), pair_runs=args.pair_runs,
                 pair_fresh_proxy=args.pair_fresh_proxy, seed=args.seed, time_scale=args.time_scale)
 
 
@@ -327,12 +363,14 @@ def main(args) -> int:
         plan = plan_from(args)
         plan.steady.validate()
         plan.sparse.validate()
+        plan.short.validate()
         Runner(args.stock, args.paced, work, plan, args.model, args.proxy_arg, args.budget).run(rows, parts)
     results = collect(work)
-    text, verdicts = report(results)
+    text, verdicts = report(results, args.checks)
     print(text)
     if args.json:
-        write_json(args.json, {"bench": "defaults", "checks": verdicts, "rows": results, **environment()})
+        write_json(args.json, {"bench": "defaults", "suite": args.checks, "checks": verdicts, "rows": results,
+                               **environment()})
     if args.plot and any("steady" in r for r in results.values()):
         from .mixed_report import plot_mixed
 
