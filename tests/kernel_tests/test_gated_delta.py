@@ -221,9 +221,13 @@ def test_on_the_gpu_against_the_specification():
     out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial)
     assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max()
     assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max()
-    for chunk, precision in ((16, "tf32"), (32, "tf32"), (64, "tf32"), (16, "ieee")):
+    # Prompts in chunks: tf32 products round the state's increments to ~5e-4 each (10-bit
+    # mantissas), float32 ("ieee") ones as the token walk does.
+    for chunk, precision, state_tol in ((16, "tf32", 5e-3), (32, "tf32", 5e-3), (64, "tf32", 5e-3),
+                                        (16, "ieee", 1e-3)):
         state = step["state"].clone()
         out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
                                     chunk=chunk, precision=precision)
         assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max(), (chunk, precision)
-        assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max(), (chunk, precision)
+        err = (state.double().cpu() - ref_state).abs().max() / ref_state.abs().max()
+        assert err <= state_tol, (chunk, precision, err)
