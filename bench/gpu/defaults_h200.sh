@@ -82,6 +82,9 @@ up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 SERVERS=paced
 case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
 port_of() { [ "$1" = stock ] && echo $STOCK || echo $PACED; }
+# Servers outlive a call, so the ones up may be another CLASS's, MODEL's or script's: stopped.
+SERVING="defaults $CLASS $MODEL ${PACED_ENV[*]} dry=${DRY_RUN:-0}"
+keep_only_servers_of "$SERVING" $STOCK $PACED
 missing=""
 for name in $SERVERS; do up "$(port_of $name)" || missing="$missing $name"; done
 if [ -z "$missing" ]; then
@@ -103,6 +106,7 @@ else
       for kv in "${PACED_ENV[@]}"; do unset "${kv%%=*}"; done
     fi
   done
+  echo "$SERVING" > "$SERVERS_MARK"
   for name in $missing; do
     port=$(port_of $name)
     wait_health $port 420 "${PID_OF[$name]}" || { say "$name server did not come up"; tail -n 40 "$RES/server-$name.log"; exit 1; }

@@ -73,7 +73,10 @@ case $STAGE in
       --shapes "${SHAPES:-32x1,16x1x16x8,32x1x16x8,16x1x16x4,16x1x32x8,16x1x64x8}" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid|subblock)
-    if ! { up 8001 && up 8002 && pgrep -f "serve $MODEL .*--port 8002 " >/dev/null; }; then
+    SERVING="gdn $MODEL limit=${GDN_LIMIT:-on} chunk=${GDN_CHUNK:-off}"
+    keep_only_servers_of "$SERVING" 8001 8002
+    if ! { up 8001 && up 8002; }; then
+      echo "$SERVING" > "$SERVERS_MARK"
       COMMON=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
               --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
               --max-num-batched-tokens 2048 --scheduler-cls "$PACED_CLS")

@@ -27,6 +27,23 @@ start_server() {  # name port args...: vLLM, or the simulator under DRY_RUN=1
   PID_OF[$name]=$!
 }
 
+SERVERS_MARK=/tmp/prefill-gate-servers  # what started the servers that outlive a call (setsid)
+
+keep_only_servers_of() {  # what ports...: servers up on these ports that something else started are
+  # stopped (their GPU memory freed), so that a script never measures another script's servers;
+  # a script writes "$what" to $SERVERS_MARK when it starts its own
+  local what=$1 port i; shift
+  [ "$(cat "$SERVERS_MARK" 2>/dev/null)" = "$what" ] && return 0
+  for port in "$@"; do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || continue
+    say "the server on :$port is not this run's ($(cat "$SERVERS_MARK" 2>/dev/null || echo "started elsewhere")): stopping it"
+    pkill -INT -f -- "--port $port( |$)" 2>/dev/null
+    for i in $(seq 60); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || break; sleep 1; done
+    pkill -KILL -f -- "--port $port( |$)" 2>/dev/null
+    sleep 5
+  done
+}
+
 wait_health() {  # port timeout_s [pid]: fails at once if the server process died
   local deadline=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
