@@ -66,7 +66,7 @@ mkdir -p "$OUT" "$WORK"
 RES=$(cd "$WORK" && pwd)
 RUNS=1
 source bench/gpu/lib.sh
-STOCK=8001 PACED=8002
+STOCK=${STOCK_PORT:-8001} PACED=${PACED_PORT:-8002}
 # Not pip-installed there: the engine patches' entry points (the plugin, and the stat logger
 # that publishes prefill_gate_engine_info) come from the wheel's dist-info, shipped as .gpu/ep
 # (`python3 bench/gpu/dist_info.py .gpu/ep` writes it). Without them the proxy cannot see the pacing.

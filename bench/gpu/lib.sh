@@ -27,7 +27,7 @@ start_server() {  # name port args...: vLLM, or the simulator under DRY_RUN=1
   PID_OF[$name]=$!
 }
 
-SERVERS_MARK=/tmp/prefill-gate-servers  # what started the servers that outlive a call (setsid)
+SERVERS_MARK=${SERVERS_MARK:-/tmp/prefill-gate-servers}  # what started the servers that outlive a call (setsid)
 
 keep_only_servers_of() {  # what ports...: servers up on these ports that something else started are
   # stopped (their GPU memory freed), so that a script never measures another script's servers;

@@ -1,0 +1,54 @@
+"""bench/gpu's scripts on two simulators (DRY_RUN=1), the way they run on the device: what
+breaks there costs a device call, so their plumbing is checked here. ``defaults_h200.sh`` judges
+the hybrid class (short part, --checks hybrid), then the dense one; the servers the first left up
+(they outlive a call, as on the device) belong to another class, so the second stops them
+instead of measuring them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_dense_class(tmp_path):
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DRY_RUN": "1",
+           "STOCK_PORT": str(ports[0]), "PACED_PORT": str(ports[1]), "SERVERS_MARK": str(tmp_path / "mark")}
+    env.pop("TRITON_INTERPRET", None)
+
+    def run(out: str, **settings) -> str:
+        done = subprocess.run(["bash", "bench/gpu/defaults_h200.sh", str(tmp_path / out)], cwd=ROOT,
+                              env={**env, **settings}, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    try:
+        text = run("hybrid", CLASS="hybrid", ROWS="direct,stack", PARTS="short", SHORT_DURATION="4")
+        merged = json.loads((tmp_path / "hybrid" / "defaults.json").read_text())
+        assert merged["suite"] == "hybrid" and set(merged["rows"]) == {"direct", "stack"}
+        assert all(set(parts) == {"short"} for parts in merged["rows"].values())
+        assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
+        assert "x step p50" in text and "stopping it" not in text
+        assert (tmp_path / "mark").read_text().startswith("defaults hybrid ")
+
+        text = run("dense", ROWS="direct", PARTS="pair", PAIR_RUNS="1")
+        assert text.count("is not this run's (defaults hybrid") == 2, text  # both servers replaced
+        assert json.loads((tmp_path / "dense" / "defaults.json").read_text())["suite"] == "defaults"
+    finally:
+        for port in ports:
+            subprocess.run(["pkill", "-INT", "-f", f"--port {port} "], check=False)
