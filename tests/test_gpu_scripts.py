@@ -51,4 +51,4 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         assert json.loads((tmp_path / "dense" / "defaults.json").read_text())["suite"] == "defaults"
     finally:
         for port in ports:
-            subprocess.run(["pkill", "-INT", "-f", f"--port {port} "], check=False)
+            subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)
