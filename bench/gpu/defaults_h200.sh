@@ -27,9 +27,13 @@
 # mode, --max-num-batched-tokens 2048, --max-num-seqs 64, Triton GDN prefill, vLLM's own
 # compilation config), rows direct and stack, parts short, pair and steady (8 users, a 20k prompt
 # every ~10 s, 90 s), judged by `--checks hybrid`. The paced server as the stack would run it on
-# that class: adaptive pacing at TARGET_MS (30: twice its ~15 ms decode step), below the align
-# block (SUB_BLOCK=1), the GDN path (GDN_LIMIT, default on; GDN_CHUNK, default off: take both
-# from gdn_h200.sh's kernel stage, `python3 bench/gpu/gdn_sweep.py --choice --json .../sweep.json`).
+# that class: adaptive pacing at TARGET_MS, below the align block (SUB_BLOCK=1), the GDN path
+# (GDN_LIMIT, default on; GDN_CHUNK, default off: take both from gdn_h200.sh's kernel stage,
+# `python3 bench/gpu/gdn_sweep.py --choice --json .../sweep.json`). TARGET_MS 44, from the H200's
+# numbers: a step there is ~22 ms of decode and host floor plus ~0.1 ms a prompt token (the model's
+# compute ~0.09, GDN ~0.01 with chunks, ~0.09 token by token), so a step of T ms carries
+# (T - 22) / 0.1 tokens and the seed pair's A (28.6k tokens, 3.0 s alone) takes ~2.9 s x T / (T - 22):
+# within 2x alone from T ~ 42 ms, while B's worst gap (~T) stays under 50. Token by token no T does.
 #   source .gpu/device_setup.sh setup && CLASS=hybrid GDN_CHUNK=16 GDN_LIMIT=2048 DEADLINE=400 \
 #     bash bench/gpu/defaults_h200.sh "$OUT"
 set -u
@@ -51,7 +55,7 @@ case $CLASS in
     ENGINE_ARGS=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
                  --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
                  --max-num-batched-tokens 2048)
-    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-30} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
+    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off})
     PACED_ARGS=()
     SIM_ARGS=(--preset h200-27b-hybrid) SIM_PACED_ARGS=(--preset h200-27b-hybrid --pacing-cap 1568 --pacing-sub-block) ;;
