@@ -142,16 +142,17 @@ def test_chunk_settings_are_checked():
         gated_delta_recurrent(**step, state_indices=indices, chunk=16, precision="fp8")
 
 
+@pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("dtype,state_dtype,tol", [(torch.bfloat16, torch.float32, 2e-2),
                                                    (torch.float16, torch.bfloat16, 3e-2)])
-def test_half_precision_inputs_and_states(dtype, state_dtype, tol):
-    lens = [1, 5, 1]
-    step = make_step(lens, H=1, HV=2, K=16, V=8, dtype=dtype, seed=3)
+def test_half_precision_inputs_and_states(dtype, state_dtype, tol, chunk):
+    lens = [1, 5, 1, 20]
+    step = make_step(lens, H=1, HV=2, K=16, V=16, dtype=dtype, seed=3)
     step["state"] = step["state"].to(state_dtype)
-    indices = torch.tensor([1, 2, 3], dtype=torch.int32)
+    indices = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     ref_out, ref_state = gated_delta_ref(**step, state_indices=indices)
     state = step["state"].clone()
-    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices)
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, chunk=chunk)
     assert out.dtype == dtype and state.dtype == state_dtype
     assert (out.double() - ref_out).abs().max() <= tol * ref_out.abs().max()
     assert (state.double() - ref_state).abs().max() <= tol * ref_state.abs().max()
