@@ -78,6 +78,7 @@ class PacingConfig:
     short_tokens: int = 1024
     long_min_share: float = 0.5
     sub_block: bool = False
+    short_when_idle: bool = False
     log_interval_s: float = 30.0
     metrics_port: int = 0
 
@@ -115,6 +116,7 @@ class PacingConfig:
             short_tokens=_number(env, "SHORT_TOKENS", 1024, low=0, high=1 << 20),
             long_min_share=_number(env, "LONG_MIN_SHARE", 0.5, low=0.0, high=1.0, cast=float),
             sub_block=_number(env, "SUB_BLOCK", 0, low=0, high=1) == 1,
+            short_when_idle=_number(env, "SHORT_WHEN_IDLE", 0, low=0, high=1) == 1,
             log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
             metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )
@@ -130,7 +132,8 @@ class PacingConfig:
         if not self.short_tokens:
             return "; prompts in arrival order"
         return (f"; prompts of <= {self.short_tokens} uncached tokens first, longer ones keep "
-                f">= {self.long_min_share:.0%} of a step's prefill")
+                f">= {self.long_min_share:.0%} of a step's prefill"
+                + (", also with nothing decoding" if self.short_when_idle else ""))
 
     def _describe_mode(self) -> str:
         if self.mode == "cap":

@@ -301,14 +301,23 @@ class _PacingMixin:
         # this step: it does not make the step a decode step.
         decoding = any(decode_tokens.values())
         short_run: list[Request] = []
-        short_first = bool(config.short_tokens and decoding and config.mode in ("cap", "adaptive"))
+        paces_short = bool(config.short_tokens and config.mode in ("cap", "adaptive"))
+        split = ([], prefills)
+        if paces_short and (decoding or config.short_when_idle):
+            split = self.short_first.split_running(prefills, config.short_tokens)
+        # SHORT_WHEN_IDLE: with nothing decoding, a short prompt beside a long prefill bounds the
+        # step as a stream would, so its first token comes after one bounded step, not after the
+        # long prompt's next whole chunk
+        bounded = decoding or (config.short_when_idle and paces_short and bool(split[1])
+                               and (bool(split[0]) or self.short_first.short_waiting(config.short_tokens)))
+        short_first = paces_short and bounded
         if short_first:  # long prefills take their clamped share first, short ones the rest
-            short_run, prefills = self.short_first.split_running(prefills, config.short_tokens)
+            short_run, prefills = split
         ordered = decodes + prefills + short_run
         if any(a is not b for a, b in zip(self.running, ordered)):
             self.running[:] = ordered
         plan = self.pacer.plan(
-            decoding=decoding,
+            decoding=bounded,
             prefill_pending=bool(short_run or prefills or self.waiting or self.skipped_waiting),
             decode_tokens=sum(decode_tokens.values()),
             prefill_start=(prefills or short_run)[0].num_computed_tokens if prefills or short_run else 0,

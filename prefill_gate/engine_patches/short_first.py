@@ -101,6 +101,13 @@ class ShortFirst:
         self._cached[request.request_id] = (request.num_tokens, cached)
         return cached
 
+    def short_waiting(self, short_tokens: int) -> bool:
+        """Does a short prompt wait that could start this step (a running slot free)?"""
+        sched = self.scheduler
+        if sched.max_num_running_reqs <= len(sched.running):
+            return False
+        return any(self.remaining(r) <= short_tokens for i, r in enumerate(sched.waiting) if i < MAX_SCAN)
+
     def split_running(self, prefills: list, short_tokens: int) -> tuple[list, list]:
         """Running prefills as (short, long), each in running order."""
         short, long = [], []

@@ -30,6 +30,7 @@ def test_defaults_are_off():
         ({"PREFILL_GATE_PACING_INTERVAL": "4", "PREFILL_GATE_PACING_MAX_DEFERRED": "2"},
          "MAX_DEFERRED=2 is below PREFILL_GATE_PACING_INTERVAL=4"),
         ({"PREFILL_GATE_PACING_GRAPH_CLAMP": "yes"}, "GRAPH_CLAMP='yes'"),
+        ({"PREFILL_GATE_PACING_SHORT_WHEN_IDLE": "2"}, "SHORT_WHEN_IDLE=2: expected"),
     ],
 )
 def test_bad_settings_name_the_variable(env, message):
@@ -46,6 +47,9 @@ def test_every_mode_describes_itself():
     assert PacingConfig.from_env(
         {"PREFILL_GATE_PACING": "adaptive", "PREFILL_GATE_PACING_TARGET_ITL_MS": "15"}
     ).target_itl_s == pytest.approx(0.015)
+    idle = PacingConfig.from_env({"PREFILL_GATE_PACING": "cap", "PREFILL_GATE_PACING_SHORT_WHEN_IDLE": "1"})
+    assert idle.short_when_idle and "also with nothing decoding" in idle.describe()
+    assert not PacingConfig.from_env({"PREFILL_GATE_PACING": "cap"}).short_when_idle
 
 
 def test_model_recovers_a_known_law():

@@ -99,6 +99,35 @@ def test_nothing_changes_when_no_request_decodes(cls, depth, tiny_model, pacing_
 
 
 @pytest.mark.parametrize("cls,depth", CLASSES)
+@pytest.mark.parametrize("mode", ["cap", "adaptive"])
+def test_with_short_when_idle_a_short_prompt_beside_a_lone_long_prefill_goes_first(cls, depth, mode, tiny_model,
+                                                                                   pacing_env):
+    """PREFILL_GATE_PACING_SHORT_WHEN_IDLE=1: nothing decodes (every request wants one token),
+    a long prompt prefills in whole 2,048-token chunks, a short one arrives: it no longer waits
+    for the long prompt's remaining chunks (vLLM's running loop gives them the whole budget)
+    but gets its first token after a bounded step or two; the long prompt, alone again, goes
+    back to whole chunks."""
+    waited, chunks_after = {}, {}
+    for idle in (0, 1):
+        pacing_env(mode, cap_tokens=512, target_itl_ms=40, short_tokens=1024, short_when_idle=idle)
+        engine = Engine(make(cls, depth, tiny_model, max_num_batched_tokens=2048), depth=depth,
+                        cost=h200_like_cost() if mode == "adaptive" else None)
+        engine.add(20_000, 1, "A")
+        for _ in range(2):
+            engine.step()
+        engine.add(300, 1, "S")
+        waited[idle] = steps_to_first_token(engine, "S")
+        start = len(engine.steps)
+        engine.run(lambda e=engine: "A" in e.first_token, max_steps=5000)
+        engine.drain()
+        chunks_after[idle] = max([s.output.num_scheduled_tokens.get("A", 0) for s in engine.steps[start:]],
+                                 default=0)
+    assert waited[0] >= 5  # behind A's ~8 remaining whole chunks
+    assert waited[1] <= 2 + (depth - 1), waited
+    assert chunks_after[1] == 2048  # alone again: unbounded
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
 def test_a_short_prompt_waiting_behind_a_long_one_goes_first(cls, depth, tiny_model, pacing_env):
     pacing_env("cap", cap_tokens=256, short_tokens=1024)
     engine = Engine(make(cls, depth, tiny_model), depth=depth)
