@@ -219,6 +219,26 @@ def test_paced_engine_serves_short_prompts_first(short_tokens, within):
     assert n <= within if short_tokens else n >= within
 
 
+@pytest.mark.parametrize("idle,within", [(True, 2), (False, 8)])
+def test_short_when_idle_caps_a_lone_long_prefill_beside_a_short_prompt(idle, within):
+    """PREFILL_GATE_PACING_SHORT_WHEN_IDLE in the simulator, as on vLLM's scheduler
+    (tests/engine/test_short_first.py): nothing decodes, a 20k prompt prefills in whole
+    2,048-token chunks; a 300-token prompt arriving then is done in two capped steps with the
+    setting, after the long one's remaining chunks without it; alone again, whole chunks."""
+    e = engine(max_num_batched_tokens=2048, pacing_cap=512, pacing_short_when_idle=idle,
+               enable_prefix_caching=False)
+    long = e.add(req(20_000, out=1, base=1000))
+    steps(e, 2)
+    short = e.add(req(300, out=1, base=50_000))
+    for n in range(1, 50):
+        e.apply(e.plan())
+        if short.finished:
+            break
+    assert n <= within if idle else n >= within
+    if long.prefilling:
+        assert dict((r.id, k) for r, k in e.plan().chunks)[long.id] == 2048
+
+
 def test_align_mode_chunks_whole_blocks_and_waits_when_none_fits():
     # vLLM's hybrid align mode: a chunk ends on a block boundary until the prompt's last full
     # block, so a budget of 10 with blocks of 4 prefills 8 a step; with a decode in the step,

@@ -22,6 +22,9 @@
 # DEADLINE: seconds after this script starts past which no new part starts (a part runs to its
 # end, a steady part ~3 minutes; the device kills a call at 600 s); 0: no limit.
 #
+# PACED_EXTRA_ENV: more engine-patch settings for the paced server only (e.g.
+# PREFILL_GATE_PACING_SHORT_WHEN_IDLE=1, with WORK elsewhere: its parts are another stack's).
+#
 # CLASS=hybrid: the report's model class instead (issue 50): the 27B Gated DeltaNet hybrid
 # (.gpu/model-hybrid-27b) as bench/gpu/gdn_h200.sh serves it (fp8 KV, prefix caching in align
 # mode, --max-num-batched-tokens 2048, --max-num-seqs 64, Triton GDN prefill, vLLM's own
@@ -45,9 +48,10 @@ case $CLASS in
     ROWS=${ROWS:-direct,proxy,stack,hold} PARTS=${PARTS:-pair,sparse,steady} WORK=${WORK:-/root/defaults}
     DURATION=${DURATION:-120} CHECKS=defaults USERS=12 LONG_EVERY=4
     ENGINE_ARGS=(--max-num-batched-tokens 8192 --enable-prompt-tokens-details)
-    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=15)
+    PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=15 ${PACED_EXTRA_ENV:-})  # e.g. PREFILL_GATE_PACING_SHORT_WHEN_IDLE=1
     PACED_ARGS=(--compilation-config '{"cudagraph_mode":"FULL"}')
-    SIM_ARGS=() SIM_PACED_ARGS=(--pacing-cap 256) ;;
+    SIM_ARGS=() SIM_PACED_ARGS=(--pacing-cap 256)
+    [[ "${PACED_EXTRA_ENV:-}" == *SHORT_WHEN_IDLE=1* ]] && SIM_PACED_ARGS+=(--pacing-short-when-idle) ;;
   hybrid)
     MODEL=${MODEL:-.gpu/model-hybrid-27b} UTIL=${UTIL:-0.45} KV_BYTES=${KV_BYTES:-10737418240}
     ROWS=${ROWS:-direct,stack} PARTS=${PARTS:-short,pair,steady} WORK=${WORK:-/root/hybrid-stack}
@@ -56,7 +60,7 @@ case $CLASS in
                  --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
                  --max-num-batched-tokens 2048)
     PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
-               PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off})
+               PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} ${PACED_EXTRA_ENV:-})
     PACED_ARGS=()
     SIM_ARGS=(--preset h200-27b-hybrid) SIM_PACED_ARGS=(--preset h200-27b-hybrid --pacing-cap 1568 --pacing-sub-block) ;;
   *) echo "CLASS must be dense or hybrid" >&2; exit 2 ;;

@@ -202,6 +202,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                                                 "pacing_long_min_share") if getattr(args, k) is not None}
     if args.pacing_sub_block:
         overrides["pacing_sub_block"] = True
+    if args.pacing_short_when_idle:
+        overrides["pacing_short_when_idle"] = True
     if args.no_prefix_caching:
         overrides["enable_prefix_caching"] = False
     cost = {f.name: getattr(args, "cost_" + f.name) for f in _cost_fields() if getattr(args, "cost_" + f.name) is not None}
@@ -348,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pacing-sub-block", action="store_true",
                    help="with --pacing-cap on an align-mode preset (a hybrid): a capped step may end a "
                         "chunk inside a KV block, as PREFILL_GATE_PACING_SUB_BLOCK=1")
+    p.add_argument("--pacing-short-when-idle", action="store_true",
+                   help="with --pacing-cap: with nothing decoding, a short prompt beside a long prefill caps "
+                        "the step short-first too, as PREFILL_GATE_PACING_SHORT_WHEN_IDLE=1")
     p.add_argument("--block-size", type=positive_int, help="KV block size in tokens (default: the preset's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every step time (2: twice as slow)")

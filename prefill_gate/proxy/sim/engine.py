@@ -9,7 +9,8 @@ gets its token first; then prompt chunks, first come first served, each capped b
 ``pacing_cap``, it paces like engine_patches' cap mode: while a request decodes, a step's
 prefill is capped, and short prompts go before long ones within the cap
 (``pacing_short_tokens``, ``pacing_long_min_share``: prefill_gate.engine_patches.short_first's rule;
-``pacing_sub_block``: PREFILL_GATE_PACING_SUB_BLOCK, a capped step may end a chunk inside a block).
+``pacing_sub_block``: PREFILL_GATE_PACING_SUB_BLOCK, a capped step may end a chunk inside a block;
+``pacing_short_when_idle``: PREFILL_GATE_PACING_SHORT_WHEN_IDLE, short-first with nothing decoding).
 
 ``plan()`` is pure arithmetic (tests check it against hand-computed step
 sequences); ``run()`` sleeps each step for the time the ``CostModel`` gives.
@@ -87,6 +88,7 @@ class EngineConfig:
     pacing_short_tokens: int = 1024  # ... and its short-first rule (0: arrival order)
     pacing_long_min_share: float = 0.5
     pacing_sub_block: bool = False  # ... and in align mode, chunks that end inside a block while capped
+    pacing_short_when_idle: bool = False  # ... and with nothing decoding, a short prompt beside a long one caps too
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int = 1 << 16
@@ -250,7 +252,7 @@ class Engine:
         prefilling = [r for r in self.running if r.prefilling]
         long_ids: set[int] = set()
         long_budget = budget
-        paced = bool(plan.decodes and cfg.pacing_cap > 0)
+        paced = bool((plan.decodes or self._short_beside_long(prefilling)) and cfg.pacing_cap > 0)
         if paced:  # a paced engine (engine_patches, cap)
             block = self._cap_block()
             cap = max(block, cfg.pacing_cap // block * block) if block else cfg.pacing_cap
@@ -281,6 +283,19 @@ class Engine:
             plan.chunks.append((req, n))
             budget -= n
         return plan
+
+    def _short_beside_long(self, prefilling: list[SimRequest]) -> bool:
+        """SHORT_WHEN_IDLE's condition, with nothing decoding: a long prompt prefills and a short
+        one prefills or waits (with a running slot for it)."""
+        cfg = self.config
+        if not (cfg.pacing_short_when_idle and cfg.pacing_short_tokens):
+            return False
+        short = cfg.pacing_short_tokens
+        if not any(self._remaining(r) > short for r in prefilling):
+            return False
+        slots = len(self.running) < cfg.max_num_seqs
+        return (any(self._remaining(r) <= short for r in prefilling)
+                or (slots and any(self._remaining(r) <= short for r in self.waiting[:256])))
 
     def _cap_block(self) -> int | None:
         """The unit of a paced step's cap: whole KV blocks in align mode, as engine_patches'
