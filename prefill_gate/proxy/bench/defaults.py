@@ -141,6 +141,7 @@ def figures(row: str, parts: dict[str, dict], direct: dict[str, dict] | None) ->
     sparse = parts.get("sparse")
     if sparse is not None:
         out["sparse_long_ttft_s_p50"] = sparse["mixed"].get("long_ttft_s_p50", math.nan)
+        out["sparse_ttft_ms_p99"] = sparse["mixed"].get("ttft_ms_p99", math.nan)  # new requests'
         base = (direct or {}).get("sparse")
         if base is not None:
             out["long_vs_direct"] = out["sparse_long_ttft_s_p50"] / base["mixed"]["long_ttft_s_p50"]
@@ -284,7 +285,7 @@ COLUMNS = [("row", "row"), ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9
            ("long_x_p90", "long p90 x"),
            ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"), ("a_x_own", "own engine"),
            ("sparse_long_ttft_s_p50", "sparse long p50 s"),
-           ("long_vs_direct", "x direct")]
+           ("long_vs_direct", "x direct"), ("sparse_ttft_ms_p99", "sparse TTFT p99 ms")]
 HYBRID_COLUMNS = [("row", "row"), ("short_step_ms_p50", "step ms"), ("short_cost_ms_p50", "short cost p50 ms"),
                   ("short_cost_ms_max", "max"), ("short_cost_x_step_p50", "x step p50"),
                   ("short_cost_x_step_max", "x step max"), ("b_max_ms", "pair B max ms"), ("a_x", "pair A x"),

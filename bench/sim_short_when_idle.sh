@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# PREFILL_GATE_PACING_SHORT_WHEN_IDLE on the simulator (a model, not the H200): the stack row's
+# sparse users (`bench defaults --rows stack --parts sparse`: 3 users who pause often, a 20k
+# prompt every ~4 s, 60 s) with a paced simulator as compose's stack paces (cap mode, short
+# prompts first) and with the setting on, per seed; JSON and table per run in OUT.
+#   bash bench/sim_short_when_idle.sh [OUT] [SEEDS]
+set -eu
+OUT=${1:-bench/results/sim/short-when-idle}
+SEEDS=${2:-0 1}
+mkdir -p "$OUT"
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+up() { for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.1; done; return 1; }
+for label in plain idle; do
+  extra=(); [ $label = idle ] && extra=(--pacing-short-when-idle)
+  for seed in $SEEDS; do
+    stock=$(port) paced=$(port)
+    python3 -m prefill_gate sim --port "$stock" >/dev/null 2>&1 & s1=$!
+    python3 -m prefill_gate sim --port "$paced" --pacing-cap 256 "${extra[@]}" >/dev/null 2>&1 & s2=$!
+    up "$stock" && up "$paced"
+    work=$(mktemp -d)
+    python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$stock" --paced "http://127.0.0.1:$paced" \
+      --rows stack --parts sparse --sparse-duration 60 --seed "$seed" --work "$work" \
+      --json "$OUT/$label-seed$seed.json" >/dev/null 2>&1
+    kill $s1 $s2; wait $s1 $s2 2>/dev/null || true; rm -rf "$work"
+  done
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+from prefill_gate.proxy.bench.report import table
+rows = []
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*-seed*.json")):
+    d = json.loads(f.read_text())
+    m = d["rows"]["stack"]["sparse"]["mixed"]
+    rows.append({"run": f.stem, "commit": d["git_commit"][:7] + ("+" if d["git_dirty"] else ""),
+                 **{k: m[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_max", "long_ttft_s_p50",
+                                      "long_ttft_s_p90", "itl_ms_p99", "itl_ms_max")}})
+text = table(rows, [("run", "run"), ("commit", "commit"), ("ttft_ms_p50", "new TTFT p50 ms"), ("ttft_ms_p99", "p99"),
+                    ("ttft_ms_max", "max"), ("long_ttft_s_p50", "long p50 s"), ("long_ttft_s_p90", "p90"),
+                    ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_max", "max")])
+print(text)
+(pathlib.Path(sys.argv[1]) / "table.txt").write_text(text + "\n")
+PY
