@@ -5,11 +5,11 @@ with a fake one. ``gate.py`` puts the waiting (futures, timers, cancellation) on
 
 The rule, per upstream: a *large* prefill is admitted only while that upstream is
 healthy, has at most ``max_decodes_for_large`` live protected decodes and fewer
-than ``max_large_in_flight`` large prefills still prefilling. With every upstream down,
-health no longer picks (as for interactive requests): a large prefill is not held for an
-upstream to come back, it goes and fails as fast as an interactive request does. Otherwise it waits
+than ``max_large_in_flight`` large prefills still prefilling. Otherwise it waits
 in one queue ordered by (priority, arrival); lower priority values go first, as
-in vLLM. *Interactive* requests are never queued. A queued ticket leaves when the
+in vLLM. With every upstream down, health no longer picks (as for interactive requests): a
+large prefill is not held for an upstream to come back, it goes and fails as fast as an
+interactive request does. *Interactive* requests are never queued. A queued ticket leaves when the
 rule lets it in, when its wait bound passes (``expire``: admit or reject), or when
 its client goes away (``finish``).
 
