@@ -37,11 +37,12 @@
 # compute ~0.09, GDN ~0.01 with chunks, ~0.09 token by token), so a step of T ms carries
 # (T - 22) / 0.1 tokens and the seed pair's A (28.6k tokens, 3.0 s alone) takes ~2.9 s x T / (T - 22):
 # within 2x alone from T ~ 42 ms, while B's worst gap (~T) stays under 50. Token by token no T does.
-#   source .gpu/device_setup.sh setup && CLASS=hybrid GDN_CHUNK=16 GDN_LIMIT=2048 DEADLINE=400 \
-#     bash bench/gpu/defaults_h200.sh "$OUT"
+#   source .gpu/device_setup.sh setup && CLASS=hybrid DEADLINE=400 bash bench/gpu/defaults_h200.sh "$OUT"
+#   (GDN_CHUNK and GDN_LIMIT from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
+source bench/gpu/lib.sh  # (its functions read RES and the rest when called, below)
 case $CLASS in
   dense)
     MODEL=${MODEL:-.gpu/model-qwen3-8b} UTIL=${UTIL:-0.2} KV_BYTES=${KV_BYTES:-17179869184}
@@ -53,6 +54,7 @@ case $CLASS in
     SIM_ARGS=() SIM_PACED_ARGS=(--pacing-cap 256)
     [[ "${PACED_EXTRA_ENV:-}" == *SHORT_WHEN_IDLE=1* ]] && SIM_PACED_ARGS+=(--pacing-short-when-idle) ;;
   hybrid)
+    gdn_choice "${GDN_SWEEP:-/root/gdn/kernel/sweep.json}"  # gdn_h200.sh's kernel stage, unless set here
     MODEL=${MODEL:-.gpu/model-hybrid-27b} UTIL=${UTIL:-0.45} KV_BYTES=${KV_BYTES:-10737418240}
     ROWS=${ROWS:-direct,stack} PARTS=${PARTS:-short,pair,steady} WORK=${WORK:-/root/hybrid-stack}
     DURATION=${DURATION:-90} CHECKS=hybrid USERS=8 LONG_EVERY=10
@@ -73,7 +75,6 @@ FRESH=""; [ "${PAIR_FRESH:-0}" = 1 ] && FRESH=--pair-fresh-proxy  # each pair ru
 mkdir -p "$OUT" "$WORK"
 RES=$(cd "$WORK" && pwd)
 RUNS=1
-source bench/gpu/lib.sh
 STOCK=${STOCK_PORT:-8001} PACED=${PACED_PORT:-8002}
 # Not pip-installed there: the engine patches' entry points (the plugin, and the stat logger
 # that publishes prefill_gate_engine_info) come from the wheel's dist-info, shipped as .gpu/ep

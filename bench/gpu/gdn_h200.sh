@@ -34,12 +34,7 @@ export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/ep:$PWD
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 deadline_passed() { [ "${DEADLINE:-0}" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge "$DEADLINE" ]; }
 PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
-if [ "$STAGE" != kernel ] && [ -z "${GDN_LIMIT:-}${GDN_CHUNK:-}" ] && [ -f "$WORK/kernel/sweep.json" ]; then
-  # the kernel stage's choice (gdn_sweep.py's `choose`), when this call sets neither
-  read -r GDN_CHUNK GDN_LIMIT < <(python3 bench/gpu/gdn_sweep.py --choice --json "$WORK/kernel/sweep.json")
-  [ "$GDN_CHUNK" = off ] && GDN_CHUNK=
-  say "from the sweep: GDN_CHUNK=${GDN_CHUNK:-off} GDN_LIMIT=$GDN_LIMIT"
-fi
+[ "$STAGE" != kernel ] && gdn_choice "$WORK/kernel/sweep.json"
 OURS=ours-gdn${GDN_CHUNK:+-c$GDN_CHUNK}  # the patched server's rows: with chunks, not to be taken for the token walk's
 
 pacing() {  # KEY=VALUE...: both servers' pacing settings, through their control file

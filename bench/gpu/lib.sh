@@ -44,6 +44,14 @@ keep_only_servers_of() {  # what ports...: servers up on these ports that someth
   done
 }
 
+gdn_choice() {  # sweep.json: GDN_CHUNK and GDN_LIMIT from gdn_h200.sh's kernel stage (gdn_sweep.py's
+  # `choose`), unless this call sets either
+  [ -z "${GDN_LIMIT:-}${GDN_CHUNK:-}" ] && [ -f "$1" ] || return 0
+  read -r GDN_CHUNK GDN_LIMIT < <(python3 bench/gpu/gdn_sweep.py --choice --json "$1")
+  [ "$GDN_CHUNK" = off ] && GDN_CHUNK=
+  say "from the sweep: GDN_CHUNK=${GDN_CHUNK:-off} GDN_LIMIT=$GDN_LIMIT"
+}
+
 wait_health() {  # port timeout_s [pid]: fails at once if the server process died
   local deadline=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
