@@ -224,3 +224,37 @@ def test_the_sizer_keeps_its_last_fit_while_new_slices_admit_none():
         s.after(0.05 - n * 1e-5, n, 0)
         s.size(16, 0)
     assert s.model() is None  # after COST_KEPT slices with no fit, the gap rule again
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sizer_that_fell_below_the_step_finds_it_again_by_bisection(monkeypatch, seed):
+    """A fresh-clone CI run (81033c1): the seed pair's first slices, 512-624 tokens, all ran
+    just past the simulator's 512-token graph (42-51 ms); the first line (41.5 ms fixed, no
+    per-token term) sent the smallest slice, which ran at 13-15 ms, and the step was found at
+    256 with nothing between 256 and 512 ever tried: 103 slices for 28.6k tokens. Now the
+    bracket between the largest cheap and the smallest dear slice is bisected."""
+    first = [(512, 43.2), (528, 45.6), (512, 41.6), (560, 41.8), (608, 44.0), (624, 47.2), (592, 46.0), (576, 51.0)]
+
+    def prompt() -> list[int]:
+        rng = random.Random(seed)
+        s = SliceSizer(target_s=0.045, min_tokens=256, max_tokens=4096, tokens=512, max_gap_s=0.050)
+        done, sizes = 0, []
+        for n, gap in first:
+            s.size(16, done)
+            s.after(gap / 1000, n, done)
+            done += n
+        while done < 28_592:
+            n = min(28_592 - done, s.size(16, done))
+            s.after(step_world(n, done, rng), n, done)
+            sizes.append(n)
+            done += n
+        return sizes
+
+    sizes = prompt()
+    assert sizes[0] == 256  # the fall, as in CI
+    assert all(n >= 448 for n in sizes[6:-1]), sizes  # found again within a few slices: 496 is the step here
+    assert sum(n > 496 for n in sizes[:-1]) <= 4, sizes  # at most a probe or two past it, each at the dear slices' cost
+    assert len(first) + len(sizes) <= 66
+    monkeypatch.setattr(SliceSizer, "_below_step", lambda self, fit, block: fit.step_at)
+    locked = prompt()
+    assert sum(n == 256 for n in locked[:-1]) >= 40 and len(first) + len(locked) >= 75  # what CI saw
