@@ -50,3 +50,21 @@ def test_the_hybrid_stage_reads_the_choice(tmp_path):
     assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "512"]
     sweep.write_text(json.dumps({"rows": [], "choice": None}))
     assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "off"]
+
+
+def test_the_kernel_timing_runs_end_to_end_under_the_interpreter(tmp_path):
+    """bench/gpu/gdn_kernel_time.py (our kernel alone, no vLLM) on tiny heads: the rows it
+    writes, the chunked path's distance from the token walk, the environment."""
+    import os
+
+    out = tmp_path / "k.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu/gdn_kernel_time.py"), "--json", str(out),
+                           "--device", "cpu", "--sizes", "2,4,16,16", "--lens", "8,40", "--chunks", "16",
+                           "--runs", "1"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [(r["prompt"], r["chunk"]) for r in data["rows"]] == [(8, 0), (8, 16), (40, 0), (40, 16)]
+    assert all(r["out_rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["ms"] > 0 for r in data["rows"])
+    assert all(r["x_token"] == 1.0 for r in data["rows"] if not r["chunk"])
+    assert "git_commit" in data and data["device"] == "cpu" and "token walk" in done.stdout
