@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
-SIZES = {"H": 16, "HV": 48, "K": 128, "V": 128}  # tests/engine/gdn_gpu.py's: the 27B hybrid's, per GPU
 COLUMNS = [("prompt", "prompt tokens"), ("path", "path"), ("ms", "ms a call"), ("x_token", "x token walk"),
            ("out_rel", "out rel err"), ("state_rel", "state rel err")]
 
@@ -39,6 +38,7 @@ def main() -> int:
     import torch
 
     from prefill_gate.kernels.gated_delta import gated_delta_recurrent
+    from tests.engine.gdn_gpu import SIZES, rel  # the 27B hybrid's layer; imports no vLLM
     from tests.kernel_tests.test_gated_delta import make_step
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -75,10 +75,6 @@ def main() -> int:
     Path(args.json).write_text(json.dumps({"bench": "gdn_kernel_time", "sizes": sizes, "device": dev, "decodes": args.decodes,
                                            "runs": args.runs, "rows": rows, **environment()}, indent=1) + "\n")
     return 0
-
-
-def rel(x, ref) -> float:
-    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def sync(device: str) -> None:
