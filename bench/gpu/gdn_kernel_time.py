@@ -1,6 +1,6 @@
 """Our Gated DeltaNet kernel alone, token by token against chunks, per prompt length (no vLLM).
 
-    python3 bench/gpu/gdn_kernel_time.py --json OUT.json [--lens 64,300,512,1024] [--chunks 16,32,64]
+    python3 bench/gpu/gdn_kernel_time.py --json OUT.json [--lens 64,300,512,1024] [--chunks 16,32]
 
 One layer the size of the 27B hybrid's (16 key heads, 48 value heads of 128, bf16 inputs,
 float32 states), one step of `--decodes` streams and one prompt: per length and path, the time
@@ -28,7 +28,7 @@ COLUMNS = [("prompt", "prompt tokens"), ("path", "path"), ("ms", "ms a call"), (
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lens", default="16,64,128,256,300,384,512,1024,1568,2048,4096")
-    p.add_argument("--chunks", default="16,32,64")
+    p.add_argument("--chunks", default="16,32")
     p.add_argument("--decodes", type=int, default=4)
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--json", required=True)

@@ -23,14 +23,16 @@ and decode-only steps take vLLM's path unchanged.
                                 on    steps with at most ON_TOKENS (512) prompt tokens
                                 N     steps with at most N prompt tokens
     PREFILL_GATE_GDN_CHUNK      off   a prompt's tokens one by one (measured: the default)
-                                16, 32, 64   a prompt of at least that many tokens in chunks of
+                                16, 32   a prompt of at least that many tokens in chunks of
                                       it: matrix products a chunk instead of a dependent
                                       update a token (``gated_delta_recurrent(chunk=...)``);
-                                      not yet measured on a GPU, so off unless asked
+                                      off unless asked: on an H100, chunks of 16 ran 0.73-0.75x
+                                      the walk's time at 300-512 tokens, but its decodes'
+                                      bits differ from vLLM's (bench/results/gdn/h100/)
 
 Numerics: decodes are bit-identical to vLLM's (the same arithmetic as its recurrent kernel,
 tested under Triton's interpreter); a prompt's tokens follow the recurrence token by token in
-float32 (with chunks: in chunks of 16-64 with tf32 products) where vLLM's chunked form computes
+float32 (with chunks: in chunks of 16 or 32 with tf32 products) where vLLM's chunked form computes
 in chunks of 64 with bfloat16 products, so prompt outputs and the states they leave differ by
 rounding (tests/engine/test_gdn.py holds the glue to the specification on the CPU; the GPU test
 compares both paths on real kernels). Token by token, a prompt's recurrence is n dependent
@@ -51,7 +53,7 @@ ENV = "PREFILL_GATE_GDN_RECURRENT"
 CHUNK_ENV = "PREFILL_GATE_GDN_CHUNK"
 ON_TOKENS = 512  # "on": the H200 sweep's last length where one launch still beats vLLM's path
 MAX_TOKENS = 4096
-CHUNKS = (16, 32, 64)
+CHUNKS = (16, 32)
 
 
 class GdnRecurrentError(ValueError):

@@ -29,8 +29,8 @@ a 300-token prompt's step over 48 layers (bench/results/gdn/h200/).
 
 With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
 program (``_chunk``): per chunk of C tokens a handful of matrix products and the in-chunk
-system solved by blocked substitution (15 small products, and two more a merge for chunks of 32
-and 64), so a prompt costs n / C dependent rounds instead of n. Decodes
+system solved by blocked substitution (15 small products, and two more to merge two blocks for
+chunks of 32), so a prompt costs n / C dependent rounds instead of n. Decodes
 and prompts shorter than a chunk keep the token path and its bits.
 
 Semantics are ``prefill_gate.kernels.reference.gated_delta_ref``'s (the executable
@@ -52,8 +52,10 @@ CHUNK_BLOCK_V, CHUNK_WARPS = 16, 8  # with chunks: 16 value rows and 8 warps a p
 # compiles without spills for sm_90 (python -m prefill_gate.kernels.aot; 4 warps or 32 rows spill)
 MIN_DOT = 16  # tl.dot's least side: the chunk and both state blocks
 SUB_BLOCK = 16  # rows a chunk's in-chunk system is solved in by substitution; larger chunks merge them
-MAX_MERGES = tl.constexpr(2)
-MAX_CHUNK = SUB_BLOCK << 2  # 64: two merges of substituted blocks
+MAX_MERGES = tl.constexpr(1)
+MAX_CHUNK = SUB_BLOCK << 1  # 32: one merge of substituted blocks. Chunks of 64 (two merges) were
+# exact under the interpreter but wrong on an H100 past their first chunk, and not the same twice
+# from one seed, besides 5x slower than the walk (bench/results/gdn/h100/run-b953a47/)
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 

@@ -108,7 +108,7 @@ def test_prompts_in_chunks_match_the_specification(chunk):
     assert torch.equal(state[indices[short].long()], plain_state[indices[short].long()])
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [16, 32])
 def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
     """Inputs that break a careless chunked form: one key repeated with beta ~1 and no decay (the
     in-chunk system is as coupled as it gets; an inverse built from powers of A cancels away
@@ -135,8 +135,8 @@ def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
 def test_chunk_settings_are_checked():
     step = make_step([20])
     indices = torch.tensor([1], dtype=torch.int32)
-    for chunk, block_v in ((8, 16), (24, 16), (128, 16), (16, 8)):
-        with pytest.raises(ValueError, match="chunk must be 0 or a power of two in 16..64"):
+    for chunk, block_v in ((8, 16), (24, 16), (64, 16), (16, 8)):  # 64: wrong on an H100 (see MAX_CHUNK)
+        with pytest.raises(ValueError, match="chunk must be 0 or a power of two in 16..32"):
             gated_delta_recurrent(**step, state_indices=indices, chunk=chunk, block_v=block_v)
     with pytest.raises(ValueError, match="precision must be one of"):
         gated_delta_recurrent(**step, state_indices=indices, chunk=16, precision="fp8")
@@ -224,7 +224,7 @@ def test_on_the_gpu_against_the_specification():
     assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max()
     # Prompts in chunks: tf32 products round the state's increments to ~5e-4 each (10-bit
     # mantissas), float32 ("ieee") ones as the token walk does.
-    for chunk, precision, state_tol in ((16, "tf32", 5e-3), (32, "tf32", 5e-3), (64, "tf32", 5e-3),
+    for chunk, precision, state_tol in ((16, "tf32", 5e-3), (32, "tf32", 5e-3),
                                         (16, "ieee", 1e-3)):
         state = step["state"].clone()
         out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
