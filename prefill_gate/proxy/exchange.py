@@ -36,7 +36,7 @@ from .relay import (
     relay_raw,
     send_body,
 )
-from .slicer import MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices
+from .slicer import BREAK_FACTOR, MAX_SLICE_ANSWER_BYTES, SliceRun, run_slices
 from .upstream import Answered, UpstreamError, mapped_errors, read_limited, response_headers
 
 if TYPE_CHECKING:
@@ -334,14 +334,17 @@ class GatedExchange(Exchange):
                 gaps.observe(g)
         predictor.slice_done(upstream, run.tokens, run.seconds)
         if log.isEnabledFor(logging.INFO):
-            fit = predictor.sizer(upstream).model()
+            sizer = predictor.sizer(upstream)
+            fit, ceiling = sizer.model(), sizer.ceiling()
             log.info("sliced request #%d on %s: %d slices, %d tokens in %.3f s; slice tokens %s; largest gaps ms %s; "
-                     "cost model %s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
+                     "cost model %s%s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
                      [None if g is None else round(g * 1000, 1) for g in run.gaps],
                      "none yet" if fit is None else
                      f"a={fit.a * 1000:.2f} ms b={fit.b * 1e6:.3f} us c={fit.c * 1e9:.4f} ns margin={fit.margin * 1000:.1f} ms"
                      + (f", a step at {fit.step_at} tokens ({fit.step_gap * 1000:.1f} ms at most below it)"
-                        if fit.step_at else ""))
+                        if fit.step_at else ""),
+                     "" if ceiling is None else f"; slices of at most {ceiling} tokens (larger ones stalled streams "
+                     f"past {BREAK_FACTOR:g}x max_gap_ms)")
         if run.stopped:
             log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,
                         run.tokens, len(ids), run.stopped)

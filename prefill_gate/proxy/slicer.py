@@ -132,6 +132,18 @@ COST_TAIL_QUANTILE = 0.97
 # A size no larger than this many times the largest slice the model was fitted to: it
 # extrapolates only so far.
 COST_EXTRAPOLATE = 1.5
+# Gross breaks: a slice whose protected gap passed BREAK_FACTOR x the promise is a tail the
+# cost model's margin cannot price (seen on an H100 host: 1.2% of slices at 95-120 ms where the
+# same size cost 25-40 ms before and after, all of them eager steps past vLLM's 512-token CUDA
+# graph; none below it). Where, among the last BREAK_MEMORY slices, the slices larger than some
+# size broke at least BREAK_EVIDENCE times and more often than BREAK_SHARE of them, while the
+# slices up to that size did not, slices stay at or below it (``SliceSizer.ceiling``), fitted
+# to those slices alone, until the breaks leave the memory.
+BREAK_FACTOR = 1.5
+BREAK_MEMORY = 1024
+BREAK_EVIDENCE = 2
+BREAK_SHARE = 0.01
+BREAK_CUT = 0.9
 # A step in the engine's cost: vLLM replays a CUDA graph for a step within its largest
 # captured size (512 tokens by default) and runs a larger one eagerly, so on the H200 a
 # 496-token slice cost the streams ~14-18 ms and a 512-640-token one ~40-50 ms. Slices whose
@@ -267,6 +279,28 @@ def _weighted_lstsq(rows, terms) -> list[float] | None:
     return solve_augmented(m, 1e-9 * scale) if scale > 0 else None
 
 
+def _ceiling(breaks: Sequence[tuple[int, bool]]) -> int | None:
+    """``SliceSizer.ceiling`` over ``(tokens, broke)`` records."""
+    if sum(b for _, b in breaks) < BREAK_EVIDENCE:
+        return None
+    per_size: dict[int, list[int]] = {}
+    for n, b in breaks:
+        counts = per_size.setdefault(n, [0, 0])
+        counts[0] += 1
+        counts[1] += b
+    total, broke = len(breaks), sum(b for _, b in breaks)
+    best, below_n, below_b = None, 0, 0
+    for t in sorted(per_size):
+        below_n += per_size[t][0]
+        below_b += per_size[t][1]
+        above_n, above_b = total - below_n, broke - below_b
+        if above_b >= BREAK_EVIDENCE and above_b > BREAK_SHARE * above_n and below_b <= BREAK_SHARE * below_n:
+            best = t
+    if best is None:
+        return None
+    return min(best, int(BREAK_CUT * min(n for n, b in breaks if b)))
+
+
 @dataclass
 class SliceSizer:
     """Slice size per upstream, from what slices cost the protected streams there.
@@ -279,7 +313,9 @@ class SliceSizer:
     same slice costs more deeper into a prompt, so early slices are large and late ones
     small from the start, with no overshoot while a size is found again. Where the engine's
     cost steps up past a size (its CUDA graphs), and no size above the step keeps the aim,
-    a slice is the largest seen below the step, if those kept it.
+    a slice is the largest seen below the step, if those kept it. Where slices above some size
+    stalled the streams grossly and repeatedly and those up to it did not (``ceiling``), slices
+    stay at or below it, with the model fitted to those slices, until the breaks are forgotten.
 
     Until then (and whenever no fit grows with the slice), the size moves with each slice's
     gap, multiplicatively: at most 1.5x up or 2x down per slice, so a noisy gap cannot swing
@@ -294,7 +330,12 @@ class SliceSizer:
     hold_unwatched: bool = False
     max_gap_s: float | None = None
     history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, prefix, gap_s)
+    breaks: deque = field(default_factory=lambda: deque(maxlen=BREAK_MEMORY))  # (tokens, broke)
     _fit: CostFit | None = None
+    _fit_ceiling: int | None = None  # the ceiling _fit was fitted under
+    _ceiling: int | None = None
+    _ceiling_seen: int = 0  # _breaks_added when _ceiling was computed
+    _breaks_added: int = 0  # slices ever recorded in breaks
     _stale: bool = False
     _unfit: int = 0  # slices since the last fit
 
@@ -302,9 +343,14 @@ class SliceSizer:
         """The cost model, refitted after new slices (None until it has enough). When the
         recent slices admit no fit (``fit_cost``), the last fit stands, for at most
         ``COST_KEPT`` slices: data straddling the engine's graph step must not make the
-        sizer forget what larger slices cost."""
+        sizer forget what larger slices cost. Under a ``ceiling`` the model is fitted to the
+        slices at or below it: the ones above broke the promise and would set the margin."""
+        ceiling = self.ceiling()
+        if ceiling != self._fit_ceiling:
+            self._fit, self._fit_ceiling, self._unfit, self._stale = None, ceiling, 0, True
         if self._stale:
-            fit = fit_cost(self.history) if len(self.history) >= COST_MIN_SLICES else None
+            obs = self.history if ceiling is None else [o for o in self.history if o[0] <= ceiling]
+            fit = fit_cost(obs) if len(obs) >= COST_MIN_SLICES else None
             if fit is not None:
                 self._fit, self._unfit = fit, 0
             else:
@@ -313,6 +359,17 @@ class SliceSizer:
                     self._fit = None
             self._stale = False
         return self._fit
+
+    def ceiling(self) -> int | None:
+        """The largest slice to send while recent slices above some size broke the promise
+        grossly (``BREAK_FACTOR``), at least ``BREAK_EVIDENCE`` times and more often than
+        ``BREAK_SHARE`` of them, and those up to it did not: that size, or ``BREAK_CUT`` of the
+        smallest broken slice if lower (the breaks mark where the cost's tail starts only from
+        above). None when the breaks show no such size: none, too few, or at every size alike,
+        where smaller slices would not help."""
+        if self._ceiling_seen != self._breaks_added:
+            self._ceiling_seen, self._ceiling = self._breaks_added, _ceiling(self.breaks)
+        return self._ceiling
 
     def aim_s(self, fit: CostFit | None = None) -> float:
         if fit is None or self.max_gap_s is None:
@@ -329,6 +386,9 @@ class SliceSizer:
             if want <= fit.step_at and fit.step_gap <= aim:
                 want = self._below_step(fit, block)  # no size above the step keeps the aim
             self.tokens = int(min(self.max_tokens, max(self.min_tokens, want)))
+        ceiling = self._fit_ceiling
+        if ceiling is not None:
+            self.tokens = max(self.min_tokens, min(self.tokens, ceiling))
         lo = -(-self.min_tokens // block) * block
         return max(lo, min(self.tokens, self.max_tokens) // block * block)
 
@@ -356,6 +416,9 @@ class SliceSizer:
         if max_gap_s is not None and tokens:
             self.history.append((tokens, prefix, max_gap_s))
             del self.history[:-COST_KEPT]
+            promise = self.max_gap_s if self.max_gap_s is not None else self.target_s
+            self.breaks.append((tokens, max_gap_s > BREAK_FACTOR * promise))
+            self._breaks_added += 1
             self._stale = True
         if max_gap_s is None:
             factor = 1.0 if self.hold_unwatched else 1.5
