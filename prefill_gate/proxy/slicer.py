@@ -259,7 +259,7 @@ def _fit_line(obs: Sequence[tuple[int, int, float]], decay: float, tail_quantile
         return None
     fit = CostFit(best[1][0], best[1][1] / 1e3, best[1][2] / 1e7, 0.0, max(n for n, _, _ in obs))
     errors = sorted(gap - fit.gap(n, p) for n, p, gap in obs)
-    margin = max(0.0, errors[int(tail_quantile * (len(errors) - 1))])  # of 8 to 33 slices: the second largest
+    margin = max(0.0, errors[int(tail_quantile * (len(errors) - 1))])  # of 64 slices: the third largest
     return replace(fit, margin=margin)
 
 
