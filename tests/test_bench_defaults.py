@@ -196,3 +196,27 @@ def test_a_new_proxy_slices_past_the_engines_graph_step_without_locking_at_the_s
     assert sum(sizes) == 28_592 and len(sizes) <= 75, line
     assert sum(n <= 256 for n in sizes[:-1]) <= 5, line  # not locked at the smallest slice
     assert "a step at " in line  # and the log says where it found the step
+
+
+@pytest.mark.slow
+def test_slices_settle_under_the_eager_steps_that_stall_streams(tmp_path):
+    """The H100 host's case on the simulator: steps past the 512-token graph cost 20 ms more and
+    1 in ~15 of them 80 ms more again (`--cost-eager-tail`). Three seed pairs through one proxy:
+    once the streams have seen eager slices stall them past 1.5x max_gap_ms, the proxy logs a
+    ceiling within the graph and later slices stay under it."""
+    import re
+
+    from prefill_gate.proxy.bench.services import Service
+
+    with Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.020", "--cost-eager-tail", "0.07",
+                 "--cost-eager-tail-s", "0.080", name="stock") as stock:
+        Runner(stock.url, None, tmp_path, Plan(pair=Shape(), pair_runs=3), None, [], progress=False).run(
+            ["proxy"], ["pair"])
+    lines = [x for x in (tmp_path / "proxy-proxy.log").read_text().splitlines() if "sliced request" in x]
+    assert len(lines) == 3
+    last = lines[-1]
+    ceiling = int(re.search(r"slices of at most (\d+) tokens", last).group(1))
+    assert ceiling <= 512, last
+    sizes = [int(n) for n in re.search(r"slice tokens \[([^\]]*)\]", last).group(1).split(",")]
+    assert max(sizes) <= ceiling and sum(sizes) == 28_592, last
+    assert sum(n <= 256 for n in sizes[:-1]) <= 5, last  # the largest size under it, not the floor

@@ -139,6 +139,20 @@ def test_a_step_past_the_largest_cuda_graph_costs_the_eager_extra():
     assert CostModel(base=0.005, eager=0.030).step_seconds([0], [(4096, 0)]) == pytest.approx(0.005)  # off
 
 
+def test_a_share_of_eager_steps_stalls_longer():
+    """`eager_tail`: 1 in ~20 eager steps 75 ms longer (the H100 host), none within the graph."""
+    from prefill_gate.proxy.sim.engine import StepPlan
+
+    cost = CostModel(base=0.005, per_prefill_token=1e-5, graph_tokens=512, eager=0.020, eager_tail=0.05,
+                     eager_tail_s=0.075)
+    e = Engine(EngineConfig(), cost, seed=3)
+    long = [e.step_seconds(StepPlan(chunks=[(SimRequest(prompt=[], max_tokens=1), 600)])) for _ in range(4000)]
+    short = [e.step_seconds(StepPlan(chunks=[(SimRequest(prompt=[], max_tokens=1), 500)])) for _ in range(4000)]
+    assert 0.035 <= sum(t > 0.1 for t in long) / 4000 <= 0.065
+    assert max(short) == pytest.approx(0.005 + 0.005) and min(long) == pytest.approx(0.005 + 0.006 + 0.020)
+    assert cost.scaled(2).eager_tail_s == 0.150 and cost.scaled(2).eager_tail == 0.05
+
+
 def test_build_engine_overrides_and_errors():
     e, p = build_engine("rtx3090-27b-hybrid", engine={"max_num_batched_tokens": 2048}, time_scale=0.5)
     assert e.config.max_num_batched_tokens == 2048 and e.config.block_size == 1568

@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter and answer text")
     for f in _cost_fields():
         p.add_argument("--cost-" + f.name.replace("_", "-"), dest="cost_" + f.name, type=float,
-                       help=f"override the preset's cost-model field {f.name} (seconds)")
+                       help=f"override the preset's cost-model field {f.name} (seconds; jitter: a log sigma, "
+                       "eager_tail: a share)")
     p.set_defaults(func=cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

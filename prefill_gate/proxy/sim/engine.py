@@ -42,7 +42,9 @@ class CostModel:
     hides the same launches. ``graph_tokens`` > 0: a step of more tokens than that (decode rows
     and prompt tokens) runs without vLLM's CUDA graphs and costs ``eager`` more (off in the
     presets; the H200 with Qwen3-8B: ~14 ms for a 432-token slice beside one stream, ~40-50 ms
-    for 512-768 tokens)."""
+    for 512-768 tokens). ``eager_tail``: the share of those eager steps that take ``eager_tail_s``
+    more (a busy host launching them: on an H100 host 1 in ~20 eager steps stalled streams
+    ~75 ms longer, none within the graph; bench/results/defaults/h100/run-b953a47/)."""
 
     base: float
     mixed: float = 0.0
@@ -58,6 +60,8 @@ class CostModel:
     mixed_floor: float = 0.0
     graph_tokens: float = 0.0
     eager: float = 0.0
+    eager_tail: float = 0.0
+    eager_tail_s: float = 0.0
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
@@ -67,16 +71,20 @@ class CostModel:
             for n, start in chunks:
                 t += self.per_prefill_token * n + self.attention * n * (start + n / 2)
             t = max(t, self.base + self.mixed_floor)
-        if self.graph_tokens and len(decode_contexts) + sum(n for n, _ in chunks) > self.graph_tokens:
+        if self.eager_step(len(decode_contexts) + sum(n for n, _ in chunks)):
             t += self.eager
         return t
+
+    def eager_step(self, tokens: int) -> bool:
+        """Does a step of ``tokens`` (decode rows and prompt tokens) run past the CUDA graphs?"""
+        return bool(self.graph_tokens) and tokens > self.graph_tokens
 
     def scaled(self, factor: float) -> "CostModel":
         return CostModel(self.base * factor, self.mixed * factor, self.per_decode_row * factor,
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
                          self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor,
                          self.frontend_per_id * factor, self.arrival_per_id * factor, self.mixed_floor * factor,
-                         self.graph_tokens, self.eager * factor)
+                         self.graph_tokens, self.eager * factor, self.eager_tail, self.eager_tail_s * factor)
 
 
 @dataclass(frozen=True)
@@ -334,6 +342,9 @@ class Engine:
         t = self.cost.step_seconds([r.context for r in plan.decodes], [(n, r.num_computed) for r, n in plan.chunks])
         if self.cost.jitter:
             t *= math.exp(self.rng.gauss(0.0, self.cost.jitter))
+        if self.cost.eager_tail and self.cost.eager_step(plan.num_tokens):
+            if self.rng.random() < self.cost.eager_tail:
+                t += self.cost.eager_tail_s
         t += self._stall
         self._stall = 0.0
         return t
