@@ -491,6 +491,24 @@ async def test_a_long_prompt_next_to_a_stream_is_sliced_then_sent_whole(sliced_s
     await b_cm.__aexit__(None, None, None)
 
 
+async def test_the_slice_ceiling_is_exported(sliced_stack):
+    """Where larger slices kept stalling streams grossly the sizer keeps under them; operators see
+    it as prefill_gate_slice_ceiling_tokens (0 while there is none)."""
+    client, state, prompts = sliced_stack
+    up = state.settings.upstreams[0]
+    sizer = state.predictor.sizer(up)
+    for n, gap in [(480, 0.02)] * 20 + [(800, 0.12), (800, 0.02), (640, 0.11)]:
+        sizer.after(gap, n, 0)
+    assert sizer.ceiling() == 480
+    assert sample(state.metrics.registry, "prefill_gate_slice_ceiling_tokens", {"upstream": up}) == 0
+    b_cm, b_it = await start_b(client)
+    assert (await client.post(CHAT, json=long_chat(stream=False))).status_code == 200
+    assert [p for p, ids, _ in prompts if ids]  # sliced, at this stack's only size (512: min_slice_tokens)
+    assert sizer.ceiling() == 512  # the clean 512-token slices moved it up to them
+    assert sample(state.metrics.registry, "prefill_gate_slice_ceiling_tokens", {"upstream": up}) == 512
+    await b_cm.__aexit__(None, None, None)
+
+
 async def test_a_disconnect_mid_slicing_closes_the_slice_and_sends_nothing_more(sliced_stack):
     client, state, prompts = sliced_stack
     b_cm, b_it = await start_b(client)

@@ -33,9 +33,10 @@ def p50_p99(metric: str, by: str) -> list[dict]:
 PREFILL_GATE = [
     ("What the gate does with a large prefill next to live streams, per upstream", "short",
      [q("prefill_gate_upstream_mode == 1", "{{upstream}}: {{mode}}")]),
-    ("Slicing: slices per second, and each slice's largest protected gap (p95)", "short",
+    ("Slicing: slices per second, each slice's largest protected gap (p95), the size ceiling", "short",
      [q("sum by (upstream) (rate(prefill_gate_slices_total[1m]))", "slices/s {{upstream}}"),
-      q(p99("prefill_gate_slice_gap_seconds", quantile=0.95) + " * 1000", "gap p95 ms")]),
+      q(p99("prefill_gate_slice_gap_seconds", quantile=0.95) + " * 1000", "gap p95 ms"),
+      q("prefill_gate_slice_ceiling_tokens", "slice ceiling tokens (0: none) {{upstream}}")]),
     ("Live protected decodes per upstream", "short",
      [q("prefill_gate_live_decodes", "{{upstream}}")]),
     ("Large prefills queued / in flight", "short",

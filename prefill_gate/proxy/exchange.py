@@ -333,9 +333,11 @@ class GatedExchange(Exchange):
             if g is not None:
                 gaps.observe(g)
         predictor.slice_done(upstream, run.tokens, run.seconds)
+        sizer = predictor.sizer(upstream)
+        ceiling = sizer.ceiling()
+        m.slice_ceiling.labels(upstream).set(ceiling or 0)
         if log.isEnabledFor(logging.INFO):
-            sizer = predictor.sizer(upstream)
-            fit, ceiling = sizer.model(), sizer.ceiling()
+            fit = sizer.model()
             log.info("sliced request #%d on %s: %d slices, %d tokens in %.3f s; slice tokens %s; largest gaps ms %s; "
                      "cost model %s%s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
                      [None if g is None else round(g * 1000, 1) for g in run.gaps],

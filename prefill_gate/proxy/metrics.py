@@ -101,6 +101,11 @@ class Metrics:
             "Per slice: the largest gap a protected stream on the upstream saw while it ran (what the "
             "slice sizer aims at slice_gap_ms and keeps within max_gap_ms).",
             ["upstream"], buckets=_SLICE_GAP, registry=r)
+        self.slice_ceiling = Gauge(
+            p + "slice_ceiling_tokens",
+            "The largest slice the sizer sends on the upstream while larger slices have been stalling "
+            "protected streams past 1.5x max_gap_ms (vLLM's eager steps on a busy host); 0: no such limit.",
+            ["upstream"], registry=r)
         self.slicing_seconds = Histogram(p + "slicing_seconds", "Time a prompt spent being sliced.",
                                          buckets=_WAIT, registry=r)
         self.slice_settle_seconds = Counter(
@@ -132,7 +137,7 @@ class Metrics:
         for u in upstreams:
             for g in (self.live_decodes, self.large_in_flight, self.prefill_tokens, self.upstream_up,
                       self.budget_tokens, self.can_slice, self.slices, self.slice_tokens, self.slice_misses,
-                      self.slice_gap):
+                      self.slice_gap, self.slice_ceiling):
                 g.labels(u)
             self.retries.labels(u)
             for m in MODES:
