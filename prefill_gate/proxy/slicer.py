@@ -281,14 +281,14 @@ def _weighted_lstsq(rows, terms) -> list[float] | None:
 
 def _ceiling(breaks: Sequence[tuple[int, bool]]) -> int | None:
     """``SliceSizer.ceiling`` over ``(tokens, broke)`` records."""
-    if sum(b for _, b in breaks) < BREAK_EVIDENCE:
+    total, broke = len(breaks), sum(b for _, b in breaks)
+    if broke < BREAK_EVIDENCE:
         return None
     per_size: dict[int, list[int]] = {}
     for n, b in breaks:
         counts = per_size.setdefault(n, [0, 0])
         counts[0] += 1
         counts[1] += b
-    total, broke = len(breaks), sum(b for _, b in breaks)
     best, below_n, below_b = None, 0, 0
     for t in sorted(per_size):
         below_n += per_size[t][0]
@@ -334,8 +334,7 @@ class SliceSizer:
     _fit: CostFit | None = None
     _fit_ceiling: int | None = None  # the ceiling _fit was fitted under
     _ceiling: int | None = None
-    _ceiling_seen: int = 0  # _breaks_added when _ceiling was computed
-    _breaks_added: int = 0  # slices ever recorded in breaks
+    _ceiling_stale: bool = False
     _stale: bool = False
     _unfit: int = 0  # slices since the last fit
 
@@ -367,8 +366,8 @@ class SliceSizer:
         smallest broken slice if lower (the breaks mark where the cost's tail starts only from
         above). None when the breaks show no such size: none, too few, or at every size alike,
         where smaller slices would not help."""
-        if self._ceiling_seen != self._breaks_added:
-            self._ceiling_seen, self._ceiling = self._breaks_added, _ceiling(self.breaks)
+        if self._ceiling_stale:
+            self._ceiling, self._ceiling_stale = _ceiling(self.breaks), False
         return self._ceiling
 
     def aim_s(self, fit: CostFit | None = None) -> float:
@@ -386,7 +385,7 @@ class SliceSizer:
             if want <= fit.step_at and fit.step_gap <= aim:
                 want = self._below_step(fit, block)  # no size above the step keeps the aim
             self.tokens = int(min(self.max_tokens, max(self.min_tokens, want)))
-        ceiling = self._fit_ceiling
+        ceiling = self.ceiling()
         if ceiling is not None:
             self.tokens = max(self.min_tokens, min(self.tokens, ceiling))
         lo = -(-self.min_tokens // block) * block
@@ -418,7 +417,7 @@ class SliceSizer:
             del self.history[:-COST_KEPT]
             promise = self.max_gap_s if self.max_gap_s is not None else self.target_s
             self.breaks.append((tokens, max_gap_s > BREAK_FACTOR * promise))
-            self._breaks_added += 1
+            self._ceiling_stale = True
             self._stale = True
         if max_gap_s is None:
             factor = 1.0 if self.hold_unwatched else 1.5
