@@ -68,3 +68,21 @@ def test_the_kernel_timing_runs_end_to_end_under_the_interpreter(tmp_path):
     assert all(r["out_rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["ms"] > 0 for r in data["rows"])
     assert all(r["x_token"] == 1.0 for r in data["rows"] if not r["chunk"])
     assert "git_commit" in data and data["device"] == "cpu" and "token walk" in done.stdout
+
+
+def test_the_decode_bits_check_runs_end_to_end_under_the_interpreter(tmp_path):
+    """bench/gpu/gdn_decode_bits.py on tiny heads: a row per launch shape, the token walk's own
+    row identical to itself, every prompt within rounding (the interpreter gives the decodes the
+    same bits at every shape; the H100 did not for chunks of 16)."""
+    import os
+
+    out = tmp_path / "d.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu/gdn_decode_bits.py"), "--json", str(out),
+                           "--device", "cpu", "--small"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["shape"] for r in data["rows"]] == ["walk 32x4", "walk 16x8", "chunk 16 (16x8)", "chunk 32 (16x8)"]
+    assert data["rows"][0]["decode_out_max_diff"] == 0 and data["rows"][0]["prompt_out_rel"] == 0
+    assert all(r["decode_out_equal"] and r["decode_state_equal"] and r["prompt_out_rel"] < 1e-4 for r in data["rows"])
+    assert "git_commit" in data

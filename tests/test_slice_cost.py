@@ -54,16 +54,16 @@ def test_the_margin_is_the_recent_errors_high_quantile():
 
 
 def slice_prompts(sizer: SliceSizer, prompts: int, tokens: int = 20_000, block: int = 16, noise: float = 0.003,
-                  seed: int = 0) -> list[tuple[int, int, float]]:
+                  seed: int = 0, world=None) -> list[tuple[int, int, float]]:
     """Slice ``prompts`` prompts one after another as run_slices does, with gaps of
-    ``true_gap`` plus uniform noise; (tokens, prefix, gap) per slice."""
+    ``true_gap`` plus uniform noise (or ``world(n, prefix, rng)``); (tokens, prefix, gap) per slice."""
     rng = random.Random(seed)
     seen = []
     for _ in range(prompts):
         done = 0
         while done < tokens:
             n = min(tokens - done, sizer.size(block, done))
-            gap = true_gap(n, done) + rng.uniform(0, noise)
+            gap = world(n, done, rng) if world else true_gap(n, done) + rng.uniform(0, noise)
             sizer.after(gap, n, done)
             seen.append((n, done, gap))
             done += n
@@ -271,20 +271,10 @@ def h100_world(n: int, p: int, rng: random.Random) -> float:
     return 0.028 + 6e-6 * n + context + rng.uniform(-0.005, 0.012) + (0.075 if rng.random() < 0.05 else 0.0)
 
 
-def slice_world(world, seed: int, prompts: int = 30, tokens: int = 20_000) -> tuple[list[int], list[float]]:
-    rng = random.Random(seed)
+def slice_world(world, seed: int, prompts: int = 30) -> tuple[list[int], list[float]]:
     s = SliceSizer(target_s=0.045, min_tokens=256, max_tokens=4096, tokens=512, max_gap_s=0.050)
-    sizes, gaps = [], []
-    for _ in range(prompts):
-        done = 0
-        while done < tokens - 16:
-            n = min(tokens - done, s.size(16, done))
-            g = world(n, done, rng)
-            s.after(g, n, done)
-            sizes.append(n)
-            gaps.append(g)
-            done += n
-    return sizes, gaps
+    seen = slice_prompts(s, prompts, seed=seed, world=world)
+    return [n for n, _, _ in seen], [g for _, _, g in seen]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -33,10 +33,11 @@ def main() -> int:
 
     from prefill_gate.kernels.gated_delta import gated_delta_recurrent
     from prefill_gate.proxy.bench.report import environment
+    from tests.engine.gdn_gpu import SIZES  # the 27B hybrid's layer; imports no vLLM
     from tests.kernel_tests.test_gated_delta import make_step
 
     decodes, lens = 8, [1] * 8 + [40 if args.small else 300]
-    sizes = dict(H=2, HV=4, K=32, V=32) if args.small else dict(H=16, HV=48, K=128, V=128)
+    sizes = dict(H=2, HV=4, K=32, V=32) if args.small else SIZES
     step = make_step(lens, **sizes, slots=16, dtype=torch.bfloat16, seed=5, device=args.device)
     indices = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=args.device)
     has_initial = torch.ones(len(lens), dtype=torch.bool, device=args.device)
