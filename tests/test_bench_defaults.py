@@ -201,14 +201,20 @@ def test_a_new_proxy_slices_past_the_engines_graph_step_without_locking_at_the_s
 @pytest.mark.slow
 def test_slices_settle_under_the_eager_steps_that_stall_streams(tmp_path):
     """The H100 host's case on the simulator: steps past the 512-token graph cost 20 ms more and
-    1 in ~15 of them 80 ms more again (`--cost-eager-tail`). Three seed pairs through one proxy:
+    some of them 80 ms more again (`--cost-eager-tail`). Three seed pairs through one proxy:
     once the streams have seen eager slices stall them past 1.5x max_gap_ms, the proxy logs a
-    ceiling within the graph and later slices stay under it."""
+    ceiling within the graph and later slices stay under it.
+
+    The tail here is 1 in 4 eager steps, so that two pairs surely hold the breaks the ceiling
+    needs to come down to the graph, 10% a break (at 1 in 15, as first written, three pairs
+    often ended with the ceiling still above it: 633 tokens over 13 clean 624-token slices, in
+    CI). The host's own rate, 1 in ~20, is `tests/test_slice_cost.py::h100_world`'s, where the
+    ceiling settles over more slices than three pairs send."""
     import re
 
     from prefill_gate.proxy.bench.services import Service
 
-    with Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.020", "--cost-eager-tail", "0.07",
+    with Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.020", "--cost-eager-tail", "0.25",
                  "--cost-eager-tail-s", "0.080", name="stock") as stock:
         Runner(stock.url, None, tmp_path, Plan(pair=Shape(), pair_runs=3), None, [], progress=False).run(
             ["proxy"], ["pair"])

@@ -187,6 +187,9 @@ class Engine:
         self.config = config
         self.cost = cost
         self.rng = random.Random(seed)
+        # The eager steps' tails draw from a stream of their own: the k-th eager step stalls or
+        # not whatever else drew (jitter, rendered text) before it.
+        self.tail_rng = random.Random(f"{seed}:eager-tail")
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.cache = PrefixCache(config.prefix_cache_blocks)
@@ -343,7 +346,7 @@ class Engine:
         if self.cost.jitter:
             t *= math.exp(self.rng.gauss(0.0, self.cost.jitter))
         if self.cost.eager_tail and self.cost.eager_step(plan.num_tokens):
-            if self.rng.random() < self.cost.eager_tail:
+            if self.tail_rng.random() < self.cost.eager_tail:
                 t += self.cost.eager_tail_s
         t += self._stall
         self._stall = 0.0
