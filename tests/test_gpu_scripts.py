@@ -52,3 +52,42 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
     finally:
         for port in ports:
             subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)
+
+
+@pytest.mark.slow
+def test_one_server_at_a_time_runs_the_rows_of_each_in_its_own_call(tmp_path):
+    """ONE_SERVER=1 (auto on a card that holds one 27B hybrid server, an 80 GB H100): a call runs
+    the rows of one server only and stops the other first; the parts meet in one defaults.json."""
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DRY_RUN": "1",
+           "STOCK_PORT": str(ports[0]), "PACED_PORT": str(ports[1]), "SERVERS_MARK": str(tmp_path / "mark"),
+           "CLASS": "hybrid", "ONE_SERVER": "1", "PARTS": "short", "SHORT_DURATION": "4"}
+    env.pop("TRITON_INTERPRET", None)
+
+    def run(rows: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "bench/gpu/defaults_h200.sh", str(tmp_path / "out")], cwd=ROOT,
+                              env={**env, "ROWS": rows}, capture_output=True, text=True, timeout=400)
+
+    def up(port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        both = run("direct,stack")
+        assert both.returncode == 2 and "one server at a time" in both.stdout, both.stdout[-2000:]
+        assert not up(ports[0]) and not up(ports[1])  # refused before starting either
+
+        first = run("direct")
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        assert up(ports[0]) and not up(ports[1])
+
+        second = run("stack")
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert f"stopping the server on :{ports[0]}" in second.stdout
+        assert not up(ports[0]) and up(ports[1])
+        merged = json.loads((tmp_path / "out" / "defaults.json").read_text())
+        assert set(merged["rows"]) == {"direct", "stack"}
+        assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
+    finally:
+        for port in ports:
+            subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)

@@ -39,6 +39,7 @@
 # within 2x alone from T ~ 42 ms, while B's worst gap (~T) stays under 50. Token by token no T does.
 #   source .gpu/device_setup.sh setup && CLASS=hybrid DEADLINE=400 bash bench/gpu/defaults_h200.sh "$OUT"
 #   (GDN_CHUNK and GDN_LIMIT from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
+#   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
@@ -90,10 +91,35 @@ up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 # The stock server only for the rows that use it (ROWS=stack needs the paced one alone).
 SERVERS=paced
 case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
+# ONE_SERVER=1: one vLLM at a time, for a card that cannot hold both (the 27B hybrid on an 80 GB
+# H100: ~54 GB of weights a server). Each call then runs the rows of one server (ROWS=direct, then
+# ROWS=stack, on the same machine: the parts accumulate in WORK as in one call) and stops the
+# other server first. auto: on for CLASS=hybrid on a card under 120 GiB.
+ONE_SERVER=${ONE_SERVER:-auto}
+if [ "$ONE_SERVER" = auto ]; then
+  ONE_SERVER=0
+  if [ "$CLASS" = hybrid ] && [ "${DRY_RUN:-0}" != 1 ]; then
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+    [ -n "$mib" ] && [ "$mib" -lt $((120 * 1024)) ] && ONE_SERVER=1
+  fi
+fi
+if [ "$ONE_SERVER" = 1 ]; then
+  case ",$ROWS," in
+    *,stack,*) [ "$SERVERS" = paced ] \
+      || { say "ONE_SERVER: this card holds one server at a time: the stock rows first (e.g. ROWS=direct), then ROWS=stack"; exit 2; } ;;
+    *) SERVERS=stock ;;
+  esac
+  say "one server at a time (ONE_SERVER=1): $SERVERS"
+fi
 port_of() { [ "$1" = stock ] && echo $STOCK || echo $PACED; }
 # Servers outlive a call, so the ones up may be another CLASS's, MODEL's or script's: stopped.
 SERVING="defaults $CLASS $MODEL ${PACED_ENV[*]} dry=${DRY_RUN:-0}"
 keep_only_servers_of "$SERVING" $STOCK $PACED
+if [ "$ONE_SERVER" = 1 ]; then
+  for name in stock paced; do
+    case " $SERVERS " in *" $name "*) ;; *) stop_port "$(port_of $name)" ;; esac
+  done
+fi
 missing=""
 for name in $SERVERS; do up "$(port_of $name)" || missing="$missing $name"; done
 if [ -z "$missing" ]; then
@@ -126,8 +152,11 @@ else
 fi
 # What the paced server publishes for the proxy (the engine patches' stat-logger plugin): the
 # stack row means nothing without it (bench defaults checks the proxy saw it, too).
-curl -s "http://127.0.0.1:$PACED/metrics" | grep '^prefill_gate_engine_info' | tee "$RES/paced-engine-info.txt"
-grep -Eq 'pacing="(adaptive|cap)"' "$RES/paced-engine-info.txt" || { say "the paced server publishes no pacing"; exit 3; }
+case " $SERVERS " in
+  *" paced "*)
+    curl -s "http://127.0.0.1:$PACED/metrics" | grep '^prefill_gate_engine_info' | tee "$RES/paced-engine-info.txt"
+    grep -Eq 'pacing="(adaptive|cap)"' "$RES/paced-engine-info.txt" || { say "the paced server publishes no pacing"; exit 3; } ;;
+esac
 
 BUDGET=0
 if [ "${DEADLINE:-0}" -gt 0 ]; then

@@ -37,11 +37,18 @@ keep_only_servers_of() {  # what ports...: servers up on these ports that someth
   for port in "$@"; do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || continue
     say "the server on :$port is not this run's ($(cat "$SERVERS_MARK" 2>/dev/null || echo "started elsewhere")): stopping it"
-    pkill -INT -f -- "--port $port( |$)" 2>/dev/null
-    for i in $(seq 60); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || break; sleep 1; done
-    pkill -KILL -f -- "--port $port( |$)" 2>/dev/null
-    sleep 5
+    stop_port "$port"
   done
+}
+
+stop_port() {  # port: the server on it (if any) stopped, its GPU memory freed
+  local port=$1 i
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || return 0
+  say "stopping the server on :$port"
+  pkill -INT -f -- "--port $port( |$)" 2>/dev/null
+  for i in $(seq 60); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || break; sleep 1; done
+  pkill -KILL -f -- "--port $port( |$)" 2>/dev/null
+  sleep 5
 }
 
 gdn_choice() {  # sweep.json: GDN_CHUNK and GDN_LIMIT from gdn_h200.sh's kernel stage (gdn_sweep.py's
