@@ -46,6 +46,8 @@ CLASS=${CLASS:-dense}
 source bench/gpu/lib.sh  # (its functions read RES and the rest when called, below)
 case $CLASS in
   dense)
+    UTIL_80GB=0.45  # the 8B's two servers on an 80 GB H100 (run b953a47); 0.2 each on the H200
+    [ "${DRY_RUN:-0}" != 1 ] && small_card && UTIL=${UTIL:-$UTIL_80GB}
     MODEL=${MODEL:-.gpu/model-qwen3-8b} UTIL=${UTIL:-0.2} KV_BYTES=${KV_BYTES:-17179869184}
     ROWS=${ROWS:-direct,proxy,stack,hold} PARTS=${PARTS:-pair,sparse,steady} WORK=${WORK:-/root/defaults}
     DURATION=${DURATION:-120} CHECKS=defaults USERS=12 LONG_EVERY=4
@@ -98,10 +100,7 @@ case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
 ONE_SERVER=${ONE_SERVER:-auto}
 if [ "$ONE_SERVER" = auto ]; then
   ONE_SERVER=0
-  if [ "$CLASS" = hybrid ] && [ "${DRY_RUN:-0}" != 1 ]; then
-    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-    [ -n "$mib" ] && [ "$mib" -lt $((120 * 1024)) ] && ONE_SERVER=1
-  fi
+  [ "$CLASS" = hybrid ] && [ "${DRY_RUN:-0}" != 1 ] && small_card && ONE_SERVER=1
 fi
 if [ "$ONE_SERVER" = 1 ]; then
   case ",$ROWS," in

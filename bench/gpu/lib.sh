@@ -106,6 +106,12 @@ bench() {  # label url; with GPU_CLOCKS=1 the GPU's SM clock, power and temperat
   return 0
 }
 
+small_card() {  # true on a GPU of under 120 GiB (an 80 GB H100), false on an H200 or without a GPU
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  [ -n "$mib" ] && [ "$mib" -lt $((120 * 1024)) ]
+}
+
 gpu_info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$RES/gpu.txt" 2>/dev/null \
     || echo "none (dry run)" > "$RES/gpu.txt"
