@@ -158,9 +158,15 @@ def test_a_short_run_on_the_simulator_measures_both_phases(tmp_path):
 
     shape = MixedShape(users=3, think=0.2, interactive_prompt=60, interactive_tokens=20, long_prompt=3000,
                        long_tokens=4, long_every=1.0, duration=3.0, baseline_duration=1.5, long_alone_runs=1)
+    import time
+
     with Service("sim", name="sim") as sim:
+        began = time.time()
         result = asyncio.run(run_mixed([sim.url + "/v1"], ["sim"], shape, SLO(), seeds=[5], progress=False))
+        ended = time.time()
     run = result["endpoints"][0]["runs"][0]
+    # Each phase's zero on the wall clock, to set its times beside a server's log lines.
+    assert began < run["baseline"]["t0_unix"] < run["mixed"]["t0_unix"] - 1.5 < ended
     assert run["target"] == sim.url  # the /v1 an OpenAI client is configured with is accepted
     assert run["long_arrivals_s"] == list(make_schedule(shape, 5 + 1_000_003, 3.0).long_arrivals)
     m, b = run["mixed"], run["baseline"]

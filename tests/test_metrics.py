@@ -137,6 +137,29 @@ def test_collector_pauses_are_timed_by_generation():
     assert count("2") == after
 
 
+def test_a_long_collection_is_logged_with_its_wall_clock_time(caplog):
+    import gc
+    import logging
+
+    from prefill_gate.proxy.metrics import Metrics
+
+    stop = Metrics(CollectorRegistry(), ["http://u"]).watch_gc(log_s=0.0)  # every collection is long
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefill_gate"):
+            gc.collect()
+    finally:
+        stop()
+    assert "the cycle collector held the event loop" in caplog.text and "(generation 2), ending at" in caplog.text
+    caplog.clear()
+    stop = Metrics(CollectorRegistry(), ["http://u"]).watch_gc()  # 20 ms: a collection here is far shorter
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefill_gate"):
+            gc.collect(0)
+    finally:
+        stop()
+    assert not caplog.records
+
+
 def test_the_proxys_exposition_has_each_series_once(child):
     """Every metric the proxy exports, after an observation in each: no series twice (a
     bucket bound given twice made two ``le`` series of one name, which Prometheus drops)."""

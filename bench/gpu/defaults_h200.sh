@@ -170,6 +170,9 @@ python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced
   --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
-grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | tail -40 > "$OUT/paced-server.log"
+grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
+# Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the
+# proxies, each with its wall-clock end: beside each phase's t0_unix + worst_gaps.
+grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$OUT/gc-pauses.log"
 tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
 say "done"

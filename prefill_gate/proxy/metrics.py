@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import logging
 import math
 import time
 from typing import Any, Callable, Iterable
@@ -19,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from .labels import AdmissionLabel, ErrorKind, OutcomeKind, UpstreamMode
+
+log = logging.getLogger("prefill_gate")
 
 CLASSES = ("interactive", "large")
 OUTCOMES = tuple(k.value for k in OutcomeKind)
@@ -31,6 +34,7 @@ _SLICE_GAP = (0.01, 0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.075, 0.
 _WAIT = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 _ERROR = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2)
+GC_LOG_S = 0.020  # a collection at least this long is logged, too
 _GC_PAUSE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -147,17 +151,23 @@ class Metrics:
         for generation in ("0", "1", "2"):
             self.gc_pause.labels(generation)
 
-    def watch_gc(self) -> Callable[[], None]:
+    def watch_gc(self, log_s: float = GC_LOG_S) -> Callable[[], None]:
         """Time every collection of the cycle collector into ``gc_pause`` (its callbacks are
-        the process's: one watcher per process). Returns what stops watching."""
+        the process's: one watcher per process), and log those of at least ``log_s`` with
+        the wall-clock time they ended (every stream through the proxy waited for it).
+        Returns what stops watching."""
         started = [0.0]
         children = {g: self.gc_pause.labels(str(g)) for g in (0, 1, 2)}
 
         def on_collection(phase: str, info: dict) -> None:
             if phase == "start":
                 started[0] = time.perf_counter()
-            else:
-                children[info["generation"]].observe(time.perf_counter() - started[0])
+                return
+            took = time.perf_counter() - started[0]
+            children[info["generation"]].observe(took)
+            if took >= log_s:
+                log.warning("the cycle collector held the event loop %.1f ms (generation %d), ending at "
+                               "%.3f (unix s)", took * 1e3, info["generation"], time.time())
 
         gc.callbacks.append(on_collection)
         return lambda: gc.callbacks.remove(on_collection)

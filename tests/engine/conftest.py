@@ -34,3 +34,12 @@ def pacing_env(monkeypatch):
             monkeypatch.setenv(f"PREFILL_GATE_PACING_{key.upper()}", str(value))
 
     return set_env
+
+
+@pytest.fixture(autouse=True)
+def _no_gc_watch_left():
+    """register() watches the process's collections (`stalls`); a test's watch ends with it."""
+    yield
+    from prefill_gate.engine_patches import stalls
+
+    stalls.uninstall()

@@ -319,10 +319,11 @@ class PhaseRun:
 
     def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: MixedShape):
         self.client, self.url, self.model, self.shape = client, url, model, shape
+        self.t0_unix = math.nan  # the last run's start on the wall clock: its times + this = a log's
 
     async def run(self, schedule: Schedule, user_prompts: list[list[str]], long_prompts: list[str],
                   seconds: float, drain: float) -> list[Record]:
-        t0 = time.monotonic()
+        t0, self.t0_unix = time.monotonic(), time.time()
         stop_at = t0 + seconds
         records: list[Record] = []
         tasks = [asyncio.create_task(self._user(i, plan, user_prompts[i], t0, stop_at, records))
@@ -415,6 +416,7 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
         say(f"the users alone for {shape.baseline_duration:g} s")
         drain = max(60.0, shape.duration) * scale
         base_records = await phase.run(base, *base_pools, shape.baseline_duration * scale, drain)
+        base_t0 = phase.t0_unix
         say(f"steady load for {shape.duration:g} s ({len(mixed.long_arrivals)} long prompts)")
         mixed_records = await phase.run(mixed, *mixed_pools, shape.duration * scale, drain)
 
@@ -427,6 +429,7 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
         "long_arrivals_s": list(make_schedule(shape, seed + 1_000_003, shape.duration).long_arrivals),
     }
     b, m = result["baseline"], result["mixed"]
+    b["t0_unix"], m["t0_unix"] = round(base_t0, 3), round(phase.t0_unix, 3)  # worst_gaps' and arrivals' zero
     result["mixed"]["itl_p99_x_baseline"] = m["itl_ms_p99"] / b["itl_ms_p99"] if b["itl_ms_p99"] else float("nan")
     return result
 
