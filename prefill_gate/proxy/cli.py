@@ -108,8 +108,9 @@ async def _serve(settings: Settings) -> None:
     # (bench/relay_router.py; the old docs/RESULTS.md (in git history) section 3). And full collections run only
     # while no request is in progress (at most every 10 s), or every few minutes under load
     # that never pauses (prefill_gate/proxy/collector.py).
-    stop_collector = collector.manage(lambda: bool(state.exchanges))
-    state.metrics.watch_gc()
+    busy = lambda: bool(state.exchanges)  # noqa: E731 (requests in progress)
+    stop_collector = collector.manage(busy)
+    state.metrics.watch_gc(busy=busy)
     drain = asyncio.create_task(_drain_on_exit(proxy, state, settings.shutdown_grace))
     try:
         await asyncio.gather(*servers)

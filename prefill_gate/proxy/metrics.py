@@ -151,11 +151,11 @@ class Metrics:
         for generation in ("0", "1", "2"):
             self.gc_pause.labels(generation)
 
-    def watch_gc(self, log_s: float = GC_LOG_S) -> Callable[[], None]:
+    def watch_gc(self, log_s: float = GC_LOG_S, busy: Callable[[], bool] = lambda: True) -> Callable[[], None]:
         """Time every collection of the cycle collector into ``gc_pause`` (its callbacks are
-        the process's: one watcher per process), and log those of at least ``log_s`` with
-        the wall-clock time they ended (every stream through the proxy waited for it).
-        Returns what stops watching."""
+        the process's: one watcher per process), and log those of at least ``log_s`` that
+        ran while ``busy()`` (requests in progress: each of their streams waited for it),
+        with the wall-clock time they ended. Returns what stops watching."""
         started = [0.0]
         children = {g: self.gc_pause.labels(str(g)) for g in (0, 1, 2)}
 
@@ -165,7 +165,7 @@ class Metrics:
                 return
             took = time.perf_counter() - started[0]
             children[info["generation"]].observe(took)
-            if took >= log_s:
+            if took >= log_s and busy():
                 log.warning("the cycle collector held the event loop %.1f ms (generation %d), ending at "
                                "%.3f (unix s)", took * 1e3, info["generation"], time.time())
 
