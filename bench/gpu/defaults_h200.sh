@@ -90,6 +90,10 @@ fi
 
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 
+# TRACE=1: the paced server writes a JSON line a step (PREFILL_GATE_PACING_TRACE_FILE; its `unix`
+# beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
+# came after the step); OUT gets it compressed. A diagnosis: a line written a step.
+[ "${TRACE:-0}" = 1 ] && PACED_ENV+=(PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl)
 # The stock server only for the rows that use it (ROWS=stack needs the paced one alone).
 SERVERS=paced
 case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
@@ -174,5 +178,6 @@ grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle coll
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the
 # proxies, each with its wall-clock end: beside each phase's t0_unix + worst_gaps.
 grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$OUT/gc-pauses.log"
-tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' . 2>/dev/null
+[ -f "$RES/paced-trace.jsonl" ] && gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
+tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl . 2>/dev/null
 say "done"

@@ -434,10 +434,13 @@ class _PacingMixin:
         """One JSON line per step with work in it while pacing is on: what was scheduled
         and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one). `t` is when schedule() was called. With the synchronous loop a step lasts
         until the next line's `t`; with async scheduling (two steps in flight) its duration
-        is the gap between the next two lines' `t`."""
+        is the gap between the next two lines' `t`. `unix`: the same moment on the wall
+        clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
+        `t0_unix`)."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
-            "step": self.current_step, "t": round(now, 6), "mode": self.pacer.config.mode,
+            "step": self.current_step, "t": round(now, 6), "unix": round(time.time(), 4),
+            "mode": self.pacer.config.mode,
             "decode_rows": decode_rows, "chunks": chunks, "cap": plan.prefill_cap,
             "deferred": plan.defer, "unreachable": plan.unreachable,
             "short_first_tokens": short_tokens,

@@ -273,8 +273,12 @@ def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tm
     engine.run(lambda: "B" in engine.first_token)
     engine.add(5000, 5, "A")
     engine.run(lambda: "A" in engine.finished and "B" in engine.finished)
+    import time
+
     engine.drain()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    unix = [line["unix"] for line in lines]  # the wall clock, in order, within this test's minute
+    assert unix == sorted(unix) and time.time() - 60 < unix[0] <= unix[-1] <= time.time()
     worked = [s for s in engine.steps if s.output.total_num_scheduled_tokens]
     assert len(lines) == len(worked)
     for line, step in zip(lines, worked):
