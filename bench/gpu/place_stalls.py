@@ -1,0 +1,119 @@
+"""Set a run's worst stream gaps beside what the servers logged at that moment.
+
+    python3 bench/gpu/place_stalls.py OUT/defaults.json [--gc OUT/gc-pauses.log]
+        [--trace OUT/paced-trace.jsonl.gz] [--row stack] [--part steady]
+
+For each stall of the steady phase's ``worst_gaps`` (gaps that began within 5 ms of each other
+are one stall: the same engine moment), its wall-clock window (the phase's ``t0_unix`` plus
+the gap's times), the cycle-collector pauses (``gc-pauses.log``, the plugin's and the
+proxy's lines) that overlap it, and the paced engine's steps (``PREFILL_GATE_PACING_TRACE_FILE``)
+that began in it, each with how long it lasted until the next step began. A stall with a
+long collection inside names itself; one whose steps all stayed short was made after the
+engine (its output path, the proxy, the client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+SAME_STALL_S = 0.005
+_GC = re.compile(r"held .*? ([\d.]+) ms.*?ending at ([\d.]+) \(unix s\)")
+
+
+def stalls(worst: list[list[float]], t0_unix: float) -> list[dict]:
+    """``worst_gaps`` rows ``[ended s, gap ms, user]`` grouped into stalls, by start."""
+    gaps = sorted((t0_unix + end - gap / 1e3, t0_unix + end, gap, user) for end, gap, user in worst)
+    out: list[dict] = []
+    for start, end, gap, user in gaps:
+        if out and start - out[-1]["start"] <= SAME_STALL_S:
+            s = out[-1]
+            s["end"], s["gap_ms"] = max(s["end"], end), max(s["gap_ms"], gap)
+            s["users"].append(user)
+        else:
+            out.append({"start": start, "end": end, "gap_ms": gap, "users": [user]})
+    return out
+
+
+def collections(lines: list[str]) -> list[tuple[float, float, str]]:
+    """``(start, end, line)`` of each logged collection."""
+    out = []
+    for line in lines:
+        m = _GC.search(line)
+        if m:
+            ms, end = float(m.group(1)), float(m.group(2))
+            out.append((end - ms / 1e3, end, line.strip()))
+    return out
+
+
+def steps(records: list[dict]) -> list[dict]:
+    """Trace lines with ``lasted_s``: until the next line began (the last: unknown)."""
+    records = sorted((r for r in records if "unix" in r), key=lambda r: r["unix"])
+    for r, nxt in zip(records, records[1:] + [None]):
+        r["lasted_s"] = None if nxt is None else nxt["unix"] - r["unix"]
+    return records
+
+
+def place(stall: dict, gcs: list[tuple[float, float, str]], trace: list[dict]) -> dict:
+    """The collections overlapping ``stall`` and the steps in it, from the one it began in
+    (negative ``at_ms``: that step may be what held it)."""
+    lo, hi = stall["start"], stall["end"]
+    first = max((i for i, r in enumerate(trace) if r["unix"] <= lo), default=0)
+    return {
+        **stall,
+        "collections": [line for a, b, line in gcs if a < hi and b > lo],
+        "steps": [{"at_ms": round((r["unix"] - lo) * 1e3, 1),
+                   "lasted_ms": None if r["lasted_s"] is None else round(r["lasted_s"] * 1e3, 1),
+                   "decode_rows": r.get("decode_rows"), "prefill_tokens": sum(n for _, n in r.get("chunks", [])),
+                   "predicted_ms": None if r.get("predicted_s") is None else round(r["predicted_s"] * 1e3, 1)}
+                  for r in trace[first:] if r["unix"] < hi],
+    }
+
+
+def _read(path: Path) -> list[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("defaults", type=Path, help="defaults.json (bench defaults)")
+    p.add_argument("--gc", type=Path, help="gc-pauses.log")
+    p.add_argument("--trace", type=Path, help="the paced server's step trace (.jsonl or .jsonl.gz)")
+    p.add_argument("--row", default="stack")
+    p.add_argument("--part", default="steady")
+    args = p.parse_args(argv)
+    try:
+        mixed = json.loads(args.defaults.read_text())["rows"].get(args.row, {}).get(args.part, {}).get("mixed")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"{args.defaults}: not a bench defaults result ({exc!r})", file=sys.stderr)
+        return 2
+    if mixed is None:
+        print(f"{args.defaults}: no {args.row} {args.part} part", file=sys.stderr)
+        return 2
+    if "t0_unix" not in mixed:
+        print(f"{args.defaults}: the {args.row} {args.part} part has no t0_unix (measured before it was "
+              "recorded): its gaps cannot be placed on the wall clock", file=sys.stderr)
+        return 2
+    gcs = collections(_read(args.gc)) if args.gc else []
+    trace = steps([json.loads(x) for x in _read(args.trace) if x.strip()]) if args.trace else []
+    for s in stalls(mixed["worst_gaps"], mixed["t0_unix"]):
+        s = place(s, gcs, trace)
+        print(f"stall at {s['start']:.3f}: {s['gap_ms']:.1f} ms, {len(s['users'])} stream(s) "
+              f"{sorted(s['users'])}, ended by {s['end'] - s['start']:.3f} s")
+        for line in s["collections"]:
+            print(f"  collection: {line}")
+        for st in s["steps"]:
+            lasted = "to the trace's end" if st["lasted_ms"] is None else f"lasting {st['lasted_ms']} ms"
+            print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
+                  f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/gpu/place_stalls.py: a run's worst gaps beside the servers' logged moments."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("place_stalls", ROOT / "bench/gpu/place_stalls.py")
+place_stalls = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(place_stalls)
+
+T0 = 1_800_000_000.0
+
+
+def test_a_stall_is_placed_beside_the_collection_and_the_long_step_inside_it(tmp_path, capsys):
+    # Stall 1: three streams from 20.122 s to ~20.16 s. Stall 2: one stream at 27.62 s.
+    worst = [[20.1553, 33.75, 10], [20.1577, 35.99, 9], [20.1623, 40.18, 2], [27.6500, 32.46, 0]]
+    (tmp_path / "defaults.json").write_text(json.dumps(
+        {"rows": {"stack": {"steady": {"mixed": {"worst_gaps": worst, "t0_unix": T0}}}}}))
+    (tmp_path / "gc.log").write_text(
+        "server-paced.log:WARNING 12-05 10:00:00 [stalls.py:70] prefill-gate: Python's cycle collector held "
+        f"EngineCore_DP0 (pid 77) 31.0 ms, generation 2, 5 objects collected, ending at {T0 + 20.154:.3f} (unix s); "
+        "1 such collection(s) in this process, the longest 31.0 ms\n"
+        f"proxy-stack.log:WARNING the cycle collector held the event loop 22.0 ms (generation 2), ending at "
+        f"{T0 + 50.0:.3f} (unix s)\n")
+    trace = [{"unix": T0 + t, "decode_rows": 12, "chunks": [[0, n]], "predicted_s": 0.012}
+             for t, n in [(20.110, 400), (20.1215, 480), (20.155, 0), (20.162, 0), (27.60, 256), (27.612, 256)]]
+    with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in trace) + "\n")
+
+    assert place_stalls.main([str(tmp_path / "defaults.json"), "--gc", str(tmp_path / "gc.log"),
+                              "--trace", str(tmp_path / "trace.jsonl.gz")]) == 0
+    out = capsys.readouterr().out
+    first, second = out.split("stall at ")[1:]
+    assert "40.2 ms, 3 stream(s) [2, 9, 10]" in first and "EngineCore_DP0 (pid 77) 31.0 ms" in first
+    assert "lasting 33.5 ms: 12 decode rows, 480 prefill tokens, predicted 12.0 ms" in first
+    assert first.count("  step at ") == 3  # the one it began in, and the two within it
+    assert "event loop" not in out  # the proxy's collection was elsewhere
+    assert "1 stream(s) [0]" in second and "collection" not in second
+    assert "step at -5.5 ms to the trace's end: 12 decode rows, 256 prefill tokens" in second
+
+
+def test_a_run_from_before_t0_unix_or_not_a_result_is_refused_with_the_reason(tmp_path, capsys):
+    (tmp_path / "d.json").write_text(json.dumps({"rows": {"stack": {"steady": {"mixed": {"worst_gaps": []}}}}}))
+    assert place_stalls.main([str(tmp_path / "d.json")]) == 2
+    assert "no t0_unix" in capsys.readouterr().err
+    (tmp_path / "d.json").write_text("not json")
+    assert place_stalls.main([str(tmp_path / "d.json")]) == 2
+    assert "not a bench defaults result" in capsys.readouterr().err
