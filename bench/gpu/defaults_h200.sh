@@ -91,6 +91,9 @@ fi
 
 up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 
+# Both servers log their cycle collector's pauses past 20 ms (the plugin's watch; unset, only the
+# paced one would): gc-pauses.log, below.
+export PREFILL_GATE_GC_LOG_MS=${PREFILL_GATE_GC_LOG_MS:-20}
 # TRACE=1: the paced server writes a JSON line a step (PREFILL_GATE_PACING_TRACE_FILE; its `unix`
 # beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
 # came after the step); OUT gets it compressed. A diagnosis: a line written a step.

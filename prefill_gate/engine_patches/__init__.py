@@ -14,7 +14,8 @@ with a message naming the variable), points vLLM's CUSTOM attention slot at
 when the paced scheduler is chosen (`graphs`: other vLLMs in the environment keep theirs),
 sends Gated DeltaNet layers' short-prompt steps through one recurrent launch when
 PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default), logs Python's collections
-that hold the process past PREFILL_GATE_GC_LOG_MS (`stalls`, 20 ms) and logs what is active. The
+that hold the process past PREFILL_GATE_GC_LOG_MS (`stalls`: 20 ms where pacing is on) and logs
+what is active. The
 scheduler classes are chosen with `--scheduler-cls` and the backend with `--attention-backend
 CUSTOM`; pacing has an environment kill switch (PREFILL_GATE_PACING=off).
 """

@@ -6,8 +6,10 @@ collection in the engine core holds the step loop while it runs, so every stream
 for it at once. On an H100 host the paced stack's worst gaps had the shape one would leave
 (5-9 streams stalled 32-40 ms together where pacing's steps were predicted at ~12 ms; not
 diagnosed, bench/results/defaults/h100/run-b953a47/). This says, in each vLLM process the
-plugin loads in, when a collection took longer than ``PREFILL_GATE_GC_LOG_MS`` (20; 0: off),
-so such a moment can be named or ruled out. The watch costs two clock reads per collection.
+plugin loads in, when a collection took longer than ``PREFILL_GATE_GC_LOG_MS``, so such a moment can be
+named or ruled out. The watch costs two clock reads per collection. Unset, it is 20 where
+pacing is on (``PREFILL_GATE_PACING`` other than off: a vLLM run as the stack) and off
+elsewhere: other vLLMs in the same environment log nothing new.
 
 The line carries the wall-clock time to the millisecond (vLLM's log format keeps seconds)
 so that it can be set beside a client's record of its gaps (``bench mixed``: ``t0_unix``
@@ -38,7 +40,8 @@ def threshold_from_env(environ: Mapping[str, str] | None = None) -> float:
     env = os.environ if environ is None else environ
     raw = (env.get(ENV) or "").strip()
     if not raw:
-        return DEFAULT_MS / 1e3
+        paced = (env.get("PREFILL_GATE_PACING") or "off").strip().lower() != "off"
+        return DEFAULT_MS / 1e3 if paced else 0.0
     try:
         ms = float(raw)
     except ValueError:

@@ -21,8 +21,11 @@ def no_watch_left():
     stalls.uninstall()
 
 
-def test_the_threshold_is_20_ms_unless_set_and_a_bad_value_names_the_variable():
-    assert threshold_from_env({}) == pytest.approx(0.020)
+def test_the_threshold_is_20_ms_where_pacing_is_on_unless_set_and_a_bad_value_names_the_variable():
+    assert threshold_from_env({"PREFILL_GATE_PACING": "adaptive"}) == pytest.approx(0.020)
+    assert threshold_from_env({}) == 0.0  # other vLLMs in the environment: nothing new
+    assert threshold_from_env({"PREFILL_GATE_PACING": "off"}) == 0.0
+    assert threshold_from_env({ENV: "20"}) == pytest.approx(0.020)
     assert threshold_from_env({ENV: "0"}) == 0.0
     assert threshold_from_env({ENV: " 7.5 "}) == pytest.approx(0.0075)
     for bad in ("fast", "-1", "nan", "inf"):
