@@ -167,6 +167,8 @@ def test_a_short_run_on_the_simulator_measures_both_phases(tmp_path):
     run = result["endpoints"][0]["runs"][0]
     # Each phase's zero on the wall clock, to set its times beside a server's log lines.
     assert began < run["baseline"]["t0_unix"] < run["mixed"]["t0_unix"] - 1.5 < ended
+    for phase in ("baseline", "mixed"):  # the client's own collections, beside its gaps
+        assert set(run[phase]["client_gc"]) == {"collections", "seconds", "max_ms", "long"}
     assert run["target"] == sim.url  # the /v1 an OpenAI client is configured with is accepted
     assert run["long_arrivals_s"] == list(make_schedule(shape, 5 + 1_000_003, 3.0).long_arrivals)
     m, b = run["mixed"], run["baseline"]

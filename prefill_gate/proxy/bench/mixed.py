@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from .client_gc import ClientCollections
 from .overlap import PromptMaker, Trace, discover, normalize_base_url, stream_chat
 from .report import percentile
 
@@ -317,23 +318,27 @@ async def _sleep_until(t: float) -> None:
 class PhaseRun:
     """One phase against one endpoint: users in closed loops, long prompts on schedule."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: MixedShape):
+    def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: MixedShape, scale: float = 1.0):
         self.client, self.url, self.model, self.shape = client, url, model, shape
+        self.shape_scale = scale
         self.t0_unix = math.nan  # the last run's start on the wall clock: its times + this = a log's
+        self.collections: dict = {}  # the last run's own collections (ClientCollections.summary)
 
     async def run(self, schedule: Schedule, user_prompts: list[list[str]], long_prompts: list[str],
                   seconds: float, drain: float) -> list[Record]:
-        t0, self.t0_unix = time.monotonic(), time.time()
-        stop_at = t0 + seconds
         records: list[Record] = []
-        tasks = [asyncio.create_task(self._user(i, plan, user_prompts[i], t0, stop_at, records))
-                 for i, plan in enumerate(schedule.users)]
-        tasks += [asyncio.create_task(self._long(at, prompt, t0, records))
-                  for at, prompt in zip(schedule.long_arrivals, long_prompts)]
-        done, pending = await asyncio.wait(tasks, timeout=seconds + drain)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        with ClientCollections() as collections:
+            t0, self.t0_unix = time.monotonic(), time.time()
+            stop_at = t0 + seconds
+            tasks = [asyncio.create_task(self._user(i, plan, user_prompts[i], t0, stop_at, records))
+                     for i, plan in enumerate(schedule.users)]
+            tasks += [asyncio.create_task(self._long(at, prompt, t0, records))
+                      for at, prompt in zip(schedule.long_arrivals, long_prompts)]
+            done, pending = await asyncio.wait(tasks, timeout=seconds + drain)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.collections = collections.summary(t0, self.shape_scale)
         for r in records:  # times relative to the phase's start
             tr = r.trace
             if tr.error is None and (not tr.end or not tr.tokens):
@@ -395,7 +400,7 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
         warm_long = prompts.make(shape.long_prompt)
 
         say("warm-up")
-        phase = PhaseRun(client, url, model, shape)
+        phase = PhaseRun(client, url, model, shape, scale)
         warm_traces = [Trace() for _ in range(len(warm) + 1)]
         await stream_chat(client, url, model, warm_long, shape.long_tokens, warm_traces[-1])
         await asyncio.gather(*(stream_chat(client, url, model, p, shape.interactive_tokens, t)
@@ -416,7 +421,7 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
         say(f"the users alone for {shape.baseline_duration:g} s")
         drain = max(60.0, shape.duration) * scale
         base_records = await phase.run(base, *base_pools, shape.baseline_duration * scale, drain)
-        base_t0 = phase.t0_unix
+        base_t0, base_collections = phase.t0_unix, phase.collections
         say(f"steady load for {shape.duration:g} s ({len(mixed.long_arrivals)} long prompts)")
         mixed_records = await phase.run(mixed, *mixed_pools, shape.duration * scale, drain)
 
@@ -430,6 +435,7 @@ async def measure_endpoint(url: str, label: str, shape: MixedShape, slo: SLO, se
     }
     b, m = result["baseline"], result["mixed"]
     b["t0_unix"], m["t0_unix"] = round(base_t0, 3), round(phase.t0_unix, 3)  # worst_gaps' and arrivals' zero
+    b["client_gc"], m["client_gc"] = base_collections, phase.collections  # the client's own pauses
     result["mixed"]["itl_p99_x_baseline"] = m["itl_ms_p99"] / b["itl_ms_p99"] if b["itl_ms_p99"] else float("nan")
     return result
 
