@@ -15,9 +15,8 @@ when the paced scheduler is chosen (`graphs`: other vLLMs in the environment kee
 sends Gated DeltaNet layers' short-prompt steps through one recurrent launch when
 PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default), logs Python's collections
 that hold the process past PREFILL_GATE_GC_LOG_MS (`stalls`: 20 ms where pacing is on) and logs
-what is active. The
-scheduler classes are chosen with `--scheduler-cls` and the backend with `--attention-backend
-CUSTOM`; pacing has an environment kill switch (PREFILL_GATE_PACING=off).
+what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend with
+`--attention-backend CUSTOM`; pacing has an environment kill switch (PREFILL_GATE_PACING=off).
 """
 
 from __future__ import annotations
@@ -51,4 +50,5 @@ def register() -> None:
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
                 "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, gdn.ENV,
-                gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", stalls.ENV, f"{gc_log_s * 1e3:g}" if gc_log_s else "off")
+                gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", stalls.ENV,
+                f"{gc_log_s * 1e3:g}" if gc_log_s else "off")

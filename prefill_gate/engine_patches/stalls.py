@@ -6,10 +6,10 @@ collection in the engine core holds the step loop while it runs, so every stream
 for it at once. On an H100 host the paced stack's worst gaps had the shape one would leave
 (5-9 streams stalled 32-40 ms together where pacing's steps were predicted at ~12 ms; not
 diagnosed, bench/results/defaults/h100/run-b953a47/). This says, in each vLLM process the
-plugin loads in, when a collection took longer than ``PREFILL_GATE_GC_LOG_MS``, so such a moment can be
-named or ruled out. The watch costs two clock reads per collection. Unset, it is 20 where
-pacing is on (``PREFILL_GATE_PACING`` other than off: a vLLM run as the stack) and off
-elsewhere: other vLLMs in the same environment log nothing new.
+plugin loads in, when a collection took longer than ``PREFILL_GATE_GC_LOG_MS`` ms, so such a
+moment can be named or ruled out. The watch costs two clock reads per collection. Unset, it
+is 20 where pacing is on (``PREFILL_GATE_PACING`` other than off: a vLLM run as the stack)
+and off elsewhere: other vLLMs in the same environment log nothing new.
 
 The line carries the wall-clock time to the millisecond (vLLM's log format keeps seconds)
 so that it can be set beside a client's record of its gaps (``bench mixed``: ``t0_unix``
