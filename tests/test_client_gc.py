@@ -25,3 +25,14 @@ def test_a_phase_counts_its_collections_and_lists_the_long_ones_on_its_clock():
     assert out["long"][0] == [1.0305, 30.0, 2]
     assert c.summary(t0=9.0, scale=2.0)["long"][0] == [0.5152, 15.0, 2]  # in the engine's time
     assert len(out["long"]) <= 2  # the short one is counted, not listed
+
+
+def test_a_heap_frozen_by_someone_else_stays_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with ClientCollections():
+            gc.collect()
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

@@ -27,17 +27,23 @@ class ClientCollections:
         self.longest_s = 0.0
         self.long: list[list[float]] = []  # [ended at s, ms, generation]
         self._started = 0.0
+        self._froze = False
 
     def __enter__(self) -> "ClientCollections":
-        gc.collect()
-        gc.freeze()
+        # A process that froze its heap already (a proxy run in it) keeps its own arrangement:
+        # unfreezing at the end would give the collector that heap back.
+        self._froze = gc.get_freeze_count() == 0
+        if self._froze:
+            gc.collect()
+            gc.freeze()
         gc.callbacks.append(self._on_collection)
         self.t0 = self.clock()
         return self
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._on_collection)
-        gc.unfreeze()
+        if self._froze:
+            gc.unfreeze()
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -320,7 +320,7 @@ class PhaseRun:
 
     def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: MixedShape, scale: float = 1.0):
         self.client, self.url, self.model, self.shape = client, url, model, shape
-        self.shape_scale = scale
+        self.scale = scale
         self.t0_unix = math.nan  # the last run's start on the wall clock: its times + this = a log's
         self.collections: dict = {}  # the last run's own collections (ClientCollections.summary)
 
@@ -338,7 +338,7 @@ class PhaseRun:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        self.collections = collections.summary(t0, self.shape_scale)
+        self.collections = collections.summary(t0, self.scale)
         for r in records:  # times relative to the phase's start
             tr = r.trace
             if tr.error is None and (not tr.end or not tr.tokens):
