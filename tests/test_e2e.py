@@ -37,9 +37,10 @@ def test_seed_shape_direct_vs_through_the_proxy_holding():
     assert direct["overlap_itl_ms_max"] >= 5 * proxied["overlap_itl_ms_max"], (direct, proxied)
     # without the proxy B starves: the default preset's stall is >= 20x its solo median
     assert direct["overlap_itl_ms_max"] >= 20 * direct["solo_itl_ms_p50"], direct
-    # A completes (all 58 tokens) both ways
+    # A completes (all 58 tokens) both ways; each run says what the client's own collections took
     for res in (direct, proxied):
         assert len(res["raw"][0]["a"]["tokens"]) == 58 and res["raw"][0]["a"]["error"] is None
+        assert res["raw"][0]["client_gc"]["collections"] >= 0 and "max_ms" in res["raw"][0]["client_gc"]
     # and the gate is back to zero afterwards
     (up,) = health["upstreams"].values()
     assert health["queue_depth"] == 0 and up["active"] == up["live_decodes"] == up["large_prefills_in_flight"] == 0

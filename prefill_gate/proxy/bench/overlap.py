@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from ..relay import is_content  # the proxy's own definition: both count the same chunks
+from .client_gc import ClientCollections
 from .report import percentile
 
 KEYS = ("solo_itl_ms_p50", "solo_itl_ms_p99", "overlap_itl_ms_p50", "overlap_itl_ms_p95", "overlap_itl_ms_p99",
@@ -228,9 +229,10 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
                         stream_chat(client, base_url, model, a2_text, shape.a_tokens, a_trace)))
                     a_started.set()
 
-            b_trace = await stream_chat(client, base_url, model, b2_text, shape.b_tokens, Trace(), on_b_token)
-            if a_task:
-                await a_task[0]
+            with ClientCollections() as collections:  # the client's own pauses read as B's gaps too
+                b_trace = await stream_chat(client, base_url, model, b2_text, shape.b_tokens, Trace(), on_b_token)
+                if a_task:
+                    await a_task[0]
             errors = [t.error for t in (b_solo, a_solo, b_trace, a_trace) if t.error]
             if errors or not a_task:
                 raise RuntimeError(f"run {i + 1} failed: {errors or 'B ended before A was sent'}")
@@ -238,7 +240,7 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
             t0 = b_solo.sent
             raw.append({"run": i + 1, "a_prompt_tokens": a_count, "b_solo": _trace_json(b_solo, t0),
                         "a_solo": _trace_json(a_solo, t0), "b": _trace_json(b_trace, t0),
-                        "a": _trace_json(a_trace, t0)})
+                        "a": _trace_json(a_trace, t0), "client_gc": collections.summary(t0)})
         if progress and tty:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
     return over_runs(per_run, bench="overlap", target=base_url, model=model, runs=runs, seed=seed,
