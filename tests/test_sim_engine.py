@@ -275,17 +275,19 @@ def test_align_mode_chunks_whole_blocks_and_waits_when_none_fits():
     assert steps(off, 1) == [(0, [10])]  # no prefix caching: no align mode
 
 
-def test_the_hybrid_stack_preset_keeps_small_steps_at_its_floor_and_blocks_at_stock_cost():
-    """h200-27b-hybrid-stack: a short prompt's step within the graphs costs a decode step plus the
-    28 ms floor measured with the GDN path (whatever its length up to 512 tokens); a whole
-    1,568-token block beside the streams costs what the stock preset says (the patch leaves it)."""
+def test_the_hybrid_stack_preset_walks_small_steps_and_costs_blocks_as_stock():
+    """h200-27b-hybrid-stack: a short prompt's step within the graphs costs a decode step, 1 ms and
+    0.09 ms a prompt token (the GDN walk; 300 tokens: the H200's 43.5 ms median with the arrival);
+    a whole 1,568-token block beside the streams costs what the stock preset says (the patch
+    leaves it)."""
     from prefill_gate.proxy.sim.presets import get_preset
 
     stack, stock = get_preset("h200-27b-hybrid-stack").cost, get_preset("h200-27b-hybrid").cost
     streams = [2000] * 4
     for n in (200, 300, 400, 500):
-        assert stack.step_seconds(streams, [(n, 0)]) == pytest.approx(0.0141 + 0.028)
+        assert stack.step_seconds(streams, [(n, 0)]) == pytest.approx(0.0141 + 0.001 + 9e-5 * n + 4.3e-10 * n * n / 2)
         assert stock.step_seconds(streams, [(n, 0)]) == pytest.approx(0.0141 + 0.099)
     for start in (0, 14 * 1568):
         assert stack.step_seconds(streams, [(1568, start)]) == pytest.approx(stock.step_seconds(streams, [(1568, start)]))
     assert stack.step_seconds(streams, []) == stock.step_seconds(streams, [])  # decodes alone: the same
+    assert stack.scaled(2).graph_per_prefill_token == pytest.approx(1.8e-4)

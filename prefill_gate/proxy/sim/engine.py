@@ -44,7 +44,11 @@ class CostModel:
     presets; the H200 with Qwen3-8B: ~14 ms for a 432-token slice beside one stream, ~40-50 ms
     for 512-768 tokens). ``eager_tail``: the share of those eager steps that take ``eager_tail_s``
     more (a busy host launching them: on an H100 host 1 in ~20 eager steps stalled streams
-    ~75 ms longer, none within the graph; bench/results/defaults/h100/run-b953a47/)."""
+    ~75 ms longer, none within the graph; bench/results/defaults/h100/run-b953a47/).
+    ``graph_per_prefill_token`` > 0: a step within the graphs costs that per prompt token
+    instead of ``per_prefill_token`` (the stack's Gated DeltaNet path walks a short step's
+    prompt token by token, ~0.09 ms a token on the H200's 27B hybrid, where a larger step's
+    chunked kernels cost ~0.05)."""
 
     base: float
     mixed: float = 0.0
@@ -62,16 +66,20 @@ class CostModel:
     eager: float = 0.0
     eager_tail: float = 0.0
     eager_tail_s: float = 0.0
+    graph_per_prefill_token: float = 0.0
 
     def step_seconds(self, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> float:
         """``chunks``: (tokens, context before the chunk) for each prompt chunk."""
         t = self.base + self.per_decode_row * max(0, len(decode_contexts) - 1) + self.decode_kv * sum(decode_contexts)
+        eager = self.eager_step(len(decode_contexts) + sum(n for n, _ in chunks))
+        per_token = self.graph_per_prefill_token if self.graph_per_prefill_token and not eager \
+            else self.per_prefill_token
         if chunks:
             t += self.mixed
             for n, start in chunks:
-                t += self.per_prefill_token * n + self.attention * n * (start + n / 2)
+                t += per_token * n + self.attention * n * (start + n / 2)
             t = max(t, self.base + self.mixed_floor)
-        if self.eager_step(len(decode_contexts) + sum(n for n, _ in chunks)):
+        if eager:
             t += self.eager
         return t
 
@@ -84,7 +92,8 @@ class CostModel:
                          self.per_prefill_token * factor, self.attention * factor, self.decode_kv * factor,
                          self.jitter, self.frontend_per_token * factor, self.arrival_per_token * factor,
                          self.frontend_per_id * factor, self.arrival_per_id * factor, self.mixed_floor * factor,
-                         self.graph_tokens, self.eager * factor, self.eager_tail, self.eager_tail_s * factor)
+                         self.graph_tokens, self.eager * factor, self.eager_tail, self.eager_tail_s * factor,
+                         self.graph_per_prefill_token * factor)
 
 
 @dataclass(frozen=True)

@@ -82,18 +82,20 @@ _add(Preset(
 
 # The same model as the stack serves it: CUDA graphs to 512 tokens (the plugin's, for the paced
 # scheduler) and PREFILL_GATE_GDN_RECURRENT=512 (a step of at most 512 prompt tokens runs the GDN
-# layers as one recurrent launch each). A short prompt's step then cost the streams 43.5 ms at
-# the median on the H200 (bench/results/gdn/h200/short-ours-gdn.json, 200-400 tokens beside 4
-# streams; p90 51.6, max 53.9) against 86.3 with the graphs alone and 114.9 with neither: the
-# floor of a step within the graphs is that median less a decode step and the prompt's arrival
-# (mixed_floor 28 ms, no fixed ``mixed`` part below it), and a step past 512 tokens runs as stock
-# vLLM's did (``eager`` = the other preset's ``mixed``: its whole-block steps, 157-184 ms in the
-# paced seed pair with and without the patch, bench/results/gdn/h200/pair-paced-*.json, are
-# unchanged). Checked by `bench short` on this preset: bench/results/sim/short-h200-hybrid-stack.json.
+# layers as one recurrent launch each, walking the prompt token by token). A short prompt's step
+# then cost the streams 43.5 ms at the median on the H200 (bench/results/gdn/h200/short-ours-gdn.json,
+# 200-400 tokens beside 4 streams; p90 51.6, max 53.9) against 86.3 with the graphs alone and 114.9
+# with neither, and the prompts' TTFT rose 0.11-0.12 ms a prompt token (vLLM's path: flat), the
+# walk's ~1.8 us a token over 48 layers (0.086 ms) and some. So a step within the graphs costs
+# 0.09 ms a prompt token and 1 ms fixed (43.5 ms for 300 tokens with the decode step and the
+# prompt's arrival), and a step past 512 tokens what it costs stock vLLM (its fixed part, less
+# that 1 ms, as ``eager``; the paced seed pair's whole-block steps, 157-184 ms, were the same with
+# and without the patch, bench/results/gdn/h200/pair-paced-*.json). Checked by `bench short` on
+# this preset: bench/results/sim/short-h200-hybrid-stack.json.
 _add(Preset(
     name="h200-27b-hybrid-stack",
-    cost=CostModel(base=14.1e-3, per_prefill_token=5.08e-5, attention=4.3e-10, jitter=0.02,
-                   arrival_per_token=4.7e-6, mixed_floor=28e-3, graph_tokens=512, eager=60.4e-3),
+    cost=CostModel(base=14.1e-3, mixed=1.0e-3, per_prefill_token=5.08e-5, attention=4.3e-10, jitter=0.02,
+                   arrival_per_token=4.7e-6, graph_tokens=512, eager=59.4e-3, graph_per_prefill_token=9.0e-5),
     engine=EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64, block_size=1568, align_chunks=True),
     source="H200 vLLM 0.26.0, 27B dense hybrid dummy weights, graphs to 512 + the GDN recurrent path; "
            "bench/results/gdn/h200/",
