@@ -33,10 +33,13 @@
 # that class: adaptive pacing at TARGET_MS, below the align block (SUB_BLOCK=1), the GDN path
 # (GDN_LIMIT, default on; GDN_CHUNK, default off: take both from gdn_h200.sh's kernel stage,
 # `python3 bench/gpu/gdn_sweep.py --choice --json .../sweep.json`). TARGET_MS 44, from the H200's
-# numbers: a step there is ~22 ms of decode and host floor plus ~0.1 ms a prompt token (the model's
-# compute ~0.09, GDN ~0.01 with chunks, ~0.09 token by token), so a step of T ms carries
-# (T - 22) / 0.1 tokens and the seed pair's A (28.6k tokens, 3.0 s alone) takes ~2.9 s x T / (T - 22):
-# within 2x alone from T ~ 42 ms, while B's worst gap (~T) stays under 50. Token by token no T does.
+# numbers: a step there was first estimated at ~22 ms of decode and host floor plus ~0.1 ms a prompt
+# token with chunks (0.18 token by token), so a step of T ms carries (T - 22) / 0.1 tokens and the
+# seed pair's A (28.6k tokens, 3.0 s alone) takes ~2.9 s x T / (T - 22): within 2x alone from
+# T ~ 42 ms, while B's worst gap (~T) stays under 50. Measured since with the GDN path on
+# (bench/results/gdn/h200/short-ours-gdn.json): ~15 ms plus 0.09-0.11 ms a prompt token token by
+# token (the prompts' TTFT slope), so at T = 44 a step carries ~320 tokens and A takes ~1.3x alone
+# (the simulator's h200-27b-hybrid-stack preset, which the dry run paces at 320 tokens).
 #   source .gpu/device_setup.sh setup && CLASS=hybrid DEADLINE=400 bash bench/gpu/defaults_h200.sh "$OUT"
 #   (GDN_CHUNK and GDN_LIMIT from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
