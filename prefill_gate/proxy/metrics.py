@@ -167,7 +167,7 @@ class Metrics:
             children[info["generation"]].observe(took)
             if took >= log_s and busy():
                 log.warning("the cycle collector held the event loop %.1f ms (generation %d), ending at "
-                               "%.3f (unix s)", took * 1e3, info["generation"], time.time())
+                            "%.3f (unix s)", took * 1e3, info["generation"], time.time())
 
         gc.callbacks.append(on_collection)
         return lambda: gc.callbacks.remove(on_collection)
