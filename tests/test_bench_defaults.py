@@ -199,30 +199,38 @@ def test_a_new_proxy_slices_past_the_engines_graph_step_without_locking_at_the_s
 
 
 @pytest.mark.slow
-def test_slices_settle_under_the_eager_steps_that_stall_streams(tmp_path):
+def test_slices_settle_under_the_eager_steps_that_stall_streams():
     """The H100 host's case on the simulator: steps past the 512-token graph cost 20 ms more and
-    some of them 80 ms more again (`--cost-eager-tail`). Three seed pairs through one proxy:
-    once the streams have seen eager slices stall them past 1.5x max_gap_ms, the proxy logs a
-    ceiling within the graph and later slices stay under it.
+    some of them 80 ms more again (`--cost-eager-tail`). Seed pairs through one proxy that
+    slices every time (`--slicing on`): once the streams have seen eager slices stall them past
+    1.5x max_gap_ms, the proxy logs a ceiling within the graph, and every later prompt's slices
+    stay under it, at the largest size under it, not the floor.
 
-    The tail here is 1 in 4 eager steps, so that two pairs surely hold the breaks the ceiling
-    needs to come down to the graph, 10% a break (at 1 in 15, as first written, three pairs
-    often ended with the ceiling still above it: 633 tokens over 13 clean 624-token slices, in
-    CI). The host's own rate, 1 in ~20, is `tests/test_slice_cost.py::h100_world`'s, where the
-    ceiling settles over more slices than three pairs send."""
+    The tail here is 1 in 4 eager steps, 10% a break. Where the breaks come is chance (which
+    slices a stream sees, which eager step stalls): in 8 local tries the ceiling was in the
+    graph after the first or second prompt, in one CI run only during the third (its slices
+    before it at 656 tokens), and at 1 in 15, as first written, often not after three. So
+    the ceiling may take up to four prompts here, and the fifth is the one judged; `--slicing
+    on` because under `auto` a prompt after the ceiling may be held instead (slices of 460
+    tokens predicted 3.25 s against holding's 3.21 s). The host's own rate, 1 in ~20, is
+    `tests/test_slice_cost.py::h100_world`'s, where the ceiling settles over more slices."""
+    import asyncio
     import re
 
+    from prefill_gate.proxy.bench.overlap import run_overlap
     from prefill_gate.proxy.bench.services import Service
 
-    with Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.020", "--cost-eager-tail", "0.25",
-                 "--cost-eager-tail-s", "0.080", name="stock") as stock:
-        Runner(stock.url, None, tmp_path, Plan(pair=Shape(), pair_runs=3), None, [], progress=False).run(
-            ["proxy"], ["pair"])
-    lines = [x for x in (tmp_path / "proxy-proxy.log").read_text().splitlines() if "sliced request" in x]
-    assert len(lines) == 3
-    last = lines[-1]
-    ceiling = int(re.search(r"slices of at most (\d+) tokens", last).group(1))
-    assert ceiling <= 512, last
-    sizes = [int(n) for n in re.search(r"slice tokens \[([^\]]*)\]", last).group(1).split(",")]
-    assert max(sizes) <= ceiling and sum(sizes) == 28_592, last
-    assert sum(n <= 256 for n in sizes[:-1]) <= 5, last  # the largest size under it, not the floor
+    with (Service("sim", "--cost-graph-tokens", "512", "--cost-eager", "0.020", "--cost-eager-tail", "0.25",
+                  "--cost-eager-tail-s", "0.080", name="stock") as stock,
+          Service("serve", "--upstream", stock.url, "--slicing", "on", name="proxy") as gate):
+        asyncio.run(run_overlap(gate.url, shape=Shape(), runs=5, progress=False))
+        lines = [x for x in gate.output().splitlines() if "sliced request" in x]
+    assert len(lines) == 5, lines
+    ceilings = [re.search(r"slices of at most (\d+) tokens", x) for x in lines]
+    first = next((i for i, c in enumerate(ceilings) if c and int(c.group(1)) <= 512), None)
+    assert first is not None and first < 4, lines  # a ceiling within the graph after at most four prompts
+    ceiling = int(ceilings[first].group(1))
+    for later in lines[first + 1:]:
+        sizes = [int(n) for n in re.search(r"slice tokens \[([^\]]*)\]", later).group(1).split(",")]
+        assert max(sizes) <= ceiling and sum(sizes) == 28_592, later
+        assert sum(n <= 256 for n in sizes[:-1]) <= 5, later  # the largest size under it, not the floor
