@@ -30,8 +30,23 @@ def test_the_longest_limit_wins_among_what_the_patch_can_run():
         rows.append(row(n, "16x1x16x8", 0.12 + 0.0003 * n))  # chunks of 16: to 2048
         rows.append(row(n, "32x1x16x8", 0.10 + 0.0001 * n))  # faster, but not a shape the patch launches
     choice = gdn_sweep.choose(rows)
-    assert (choice["chunk"], choice["limit"], choice["shape"]) == (16, 2048, "16x1x16x8")
-    assert gdn_sweep.deployable("32x1x16x8") is None and gdn_sweep.deployable("32x1") == 0
+    assert (choice["chunk"], choice["limit"], choice["shape"], choice["walk"]) == (16, 2048, "16x1x16x8", None)
+    assert gdn_sweep.deployable("32x1x16x8") is None and gdn_sweep.deployable("32x1") == {"chunk": 0, "walk": None}
+    assert gdn_sweep.deployable("w8x1") == {"chunk": 0, "walk": "8x1"}
+
+
+def test_a_walk_of_its_own_for_prompts_is_chosen_where_it_pays_longer():
+    """The prompts' own launch (PREFILL_GATE_GDN_WALK): deployable, chosen where its limit is the
+    longest, and never where the decodes' outputs changed."""
+    rows = []
+    for n in (16, 256, 512, 1024):
+        rows.append(row(n, "32x1", 0.15 + 0.0018 * n))  # pays to 512
+        rows.append(row(n, "w8x1", 0.16 + 0.0007 * n))  # pays to 1024
+        rows.append(row(n, "w4x1", 0.16 + 0.0004 * n, decodes=n < 1024))  # faster, but a decode changed
+    choice = gdn_sweep.choose(rows)
+    assert (choice["chunk"], choice["walk"], choice["limit"], choice["shape"]) == (0, "8x1", 1024, "w8x1")
+    with pytest.raises(SystemExit, match="wROWSxWARPS"):
+        gdn_sweep.launch_shape("w8x1x2")
 
 
 def test_a_limit_ends_at_the_first_length_that_fails_and_none_may_pay():
@@ -44,12 +59,14 @@ def test_a_limit_ends_at_the_first_length_that_fails_and_none_may_pay():
 def test_the_hybrid_stage_reads_the_choice(tmp_path):
     sweep = tmp_path / "sweep.json"
     read = [sys.executable, str(ROOT / "bench/gpu/gdn_sweep.py"), "--choice", "--json", str(sweep)]
-    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 16, "limit": 2048}}))
-    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["16", "2048"]
-    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 0, "limit": 512}}))
-    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "512"]
+    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 16, "limit": 2048}}))  # a sweep from before walks
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["16", "2048", "off"]
+    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 0, "limit": 512, "walk": None}}))
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "512", "off"]
+    sweep.write_text(json.dumps({"rows": [], "choice": {"chunk": 0, "limit": 1024, "walk": "8x1"}}))
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "1024", "8x1"]
     sweep.write_text(json.dumps({"rows": [], "choice": None}))
-    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "off"]
+    assert subprocess.run(read, capture_output=True, text=True, check=True).stdout.split() == ["off", "off", "off"]
 
 
 def test_the_kernel_timing_runs_end_to_end_under_the_interpreter(tmp_path):
@@ -60,13 +77,15 @@ def test_the_kernel_timing_runs_end_to_end_under_the_interpreter(tmp_path):
     out = tmp_path / "k.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench/gpu/gdn_kernel_time.py"), "--json", str(out),
                            "--device", "cpu", "--sizes", "2,4,16,16", "--lens", "8,40", "--chunks", "16",
-                           "--runs", "1"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                           "--walks", "4x1", "--runs", "1"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert [(r["prompt"], r["chunk"]) for r in data["rows"]] == [(8, 0), (8, 16), (40, 0), (40, 16)]
+    assert [(r["prompt"], r["path"]) for r in data["rows"]] == [
+        (8, "token walk"), (8, "chunk 16"), (8, "walk 4x1"), (40, "token walk"), (40, "chunk 16"), (40, "walk 4x1")]
     assert all(r["out_rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["ms"] > 0 for r in data["rows"])
-    assert all(r["x_token"] == 1.0 for r in data["rows"] if not r["chunk"])
+    assert all(r["decodes_equal"] for r in data["rows"] if r["path"] == "walk 4x1")  # the decodes' launch is theirs
+    assert all(r["x_token"] == 1.0 for r in data["rows"] if r["path"] == "token walk")
     assert "git_commit" in data and data["device"] == "cpu" and "token walk" in done.stdout
 
 

@@ -9,7 +9,8 @@
 #   STAGE=hybrid   the 27B hybrid (bench/gpu/hybrid_model.py) twice as the stack runs it (paced
 #                  scheduler, graphs auto, prefix caching, fp8 KV, budget 2,048): :8001 without the
 #                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} and
-#                  PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} (rows labelled ours-gdn-cN); rows: greedy answers
+#                  PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} and PREFILL_GATE_GDN_WALK=${GDN_WALK:-off}
+#                  (rows labelled ours-gdn-cN, ours-gdn-wRxW); rows: greedy answers
 #                  compared, `bench short` with pacing off and with adaptive 15 ms, the seed pair
 #   STAGE=subblock the same two servers (started if not up): PREFILL_GATE_PACING_SUB_BLOCK's GPU
 #                  check on each (bench/gpu/sub_block_compare.py: the same prompts paced in whole
@@ -17,7 +18,7 @@
 #
 #   source .gpu/device_setup.sh setup && STAGE=kernel bash bench/gpu/gdn_h200.sh "$OUT"
 #   source .gpu/device_setup.sh setup && STAGE=hybrid DEADLINE=420 bash bench/gpu/gdn_h200.sh "$OUT"
-#   (with neither GDN_LIMIT nor GDN_CHUNK set, a kernel stage run before in the same WORK chooses both)
+#   (with none of GDN_LIMIT, GDN_CHUNK, GDN_WALK set, a kernel stage run before in the same WORK chooses them)
 set -u
 OUT=${1:-out/gdn}
 STAGE=${STAGE:-kernel}
@@ -35,7 +36,8 @@ up() { curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
 deadline_passed() { [ "${DEADLINE:-0}" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge "$DEADLINE" ]; }
 PACED_CLS=prefill_gate.engine_patches.pacing.PacedAsyncScheduler
 [ "$STAGE" != kernel ] && gdn_choice "$WORK/kernel/sweep.json"
-OURS=ours-gdn${GDN_CHUNK:+-c$GDN_CHUNK}  # the patched server's rows: with chunks, not to be taken for the token walk's
+OURS=ours-gdn${GDN_CHUNK:+-c$GDN_CHUNK}${GDN_WALK:+-w$GDN_WALK}  # the patched server's rows: with chunks or a walk
+# of their own, not to be taken for the default token walk's
 
 pacing() {  # KEY=VALUE...: both servers' pacing settings, through their control file
   printf '%s\n' "$@" > "$HYB/control.env.tmp" && mv "$HYB/control.env.tmp" "$HYB/control.env"; sleep 1
@@ -65,10 +67,10 @@ case $STAGE in
       tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
-      --shapes "${SHAPES:-32x1,16x1x16x8,32x1x16x8,16x1x16x4,16x1x32x8,16x1x64x8}" \
+      --shapes "${SHAPES:-32x1,w32x1,w16x1,w8x1,w4x1,w8x2,w16x2,16x1x16x8,16x1x32x8}" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid|subblock)
-    SERVING="gdn $MODEL limit=${GDN_LIMIT:-on} chunk=${GDN_CHUNK:-off}"
+    SERVING="gdn $MODEL limit=${GDN_LIMIT:-on} chunk=${GDN_CHUNK:-off} walk=${GDN_WALK:-off}"
     keep_only_servers_of "$SERVING" 8001 8002
     if ! { up 8001 && up 8002; }; then
       echo "$SERVING" > "$SERVERS_MARK"
@@ -79,7 +81,8 @@ case $STAGE in
       export PREFILL_GATE_PACING_CONTROL_FILE=$HYB/control.env PREFILL_GATE_PACING_LOG_INTERVAL_S=10
       PREFILL_GATE_GDN_RECURRENT=off start_server vllm-gdn 8001 "${COMMON[@]}"
       sleep 15
-      PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
+      PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off} PREFILL_GATE_GDN_WALK=${GDN_WALK:-off} \
+        PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} start_server ours-gdn 8002 "${COMMON[@]}"
       for s in vllm-gdn:8001 ours-gdn:8002; do
         wait_health "${s#*:}" 480 "${PID_OF[${s%:*}]}" || { say "${s%:*} did not come up"; tail -40 "$RES/server-${s%:*}.log"; exit 1; }
       done

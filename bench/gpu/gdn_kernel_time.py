@@ -1,6 +1,7 @@
 """Our Gated DeltaNet kernel alone, token by token against chunks, per prompt length (no vLLM).
 
     python3 bench/gpu/gdn_kernel_time.py --json OUT.json [--lens 64,300,512,1024] [--chunks 16,32]
+        [--walks 8x1,4x1]
 
 One layer the size of the 27B hybrid's (16 key heads, 48 value heads of 128, bf16 inputs,
 float32 states), one step of `--decodes` streams and one prompt: per length and path, the time
@@ -8,7 +9,10 @@ per call until the GPU finished (CUDA events around `--runs` calls after a warm-
 the chunked path's outputs and states are from the token walk's (relative max error). What it
 answers without shipping vLLM: from which prompt length each chunk beats the token walk, and by
 how much (vLLM's own path, ~1 ms a layer call on the H200 at any length, is `gdn_sweep.py`'s).
-A step runs 48 such calls.
+`--walks`: the same token walk with the prompt in a launch of its own, R value rows and W warps a
+program (PREFILL_GATE_GDN_WALK; the decodes keep the default launch): the walk's time is its
+per-token latency, which the launch shape sets (`python -m prefill_gate.kernels.aot --gdn-walks`
+counts each shape's instructions a token). A step runs 48 such calls.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
 COLUMNS = [("prompt", "prompt tokens"), ("path", "path"), ("ms", "ms a call"), ("x_token", "x token walk"),
-           ("out_rel", "out rel err"), ("state_rel", "state rel err")]
+           ("out_rel", "out rel err"), ("state_rel", "state rel err"), ("decodes_equal", "decodes identical")]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lens", default="16,64,128,256,300,384,512,1024,1568,2048,4096")
     p.add_argument("--chunks", default="16,32")
+    p.add_argument("--walks", default="", help="the prompts' own launch shapes, ROWSxWARPS, comma-separated")
     p.add_argument("--decodes", type=int, default=4)
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--json", required=True)
@@ -53,22 +58,27 @@ def main() -> int:
         indices = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=dev)
         has_initial = torch.tensor([True] * args.decodes + [False], device=dev)
         ref = None
-        for chunk in [0, *(int(c) for c in args.chunks.split(","))]:
+        chunks = [{"chunk": int(c)} for c in args.chunks.split(",") if c]
+        walks = [{"walk": tuple(int(x) for x in w.split("x"))} for w in args.walks.split(",") if w]
+        for launch in [{}, *chunks, *walks]:
             state = step["state"].clone()
             out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
-                                        chunk=chunk)
+                                        **launch)
             sync(dev)
             if ref is None:
                 ref, errors = (out.float(), state.clone()), {"out_rel": 0.0, "state_rel": 0.0}
             else:
-                errors = {"out_rel": rel(out.float(), ref[0]), "state_rel": rel(state, ref[1])}
+                errors = {"out_rel": rel(out.float(), ref[0]), "state_rel": rel(state, ref[1]),
+                          "decodes_equal": bool(torch.equal(out[:args.decodes].float(), ref[0][:args.decodes]))}
             ms = timed(lambda: gated_delta_recurrent(**{**step, "state": state}, state_indices=indices,
-                                                     has_initial=has_initial, chunk=chunk), args.runs, dev)
-            row = {"prompt": n, "path": f"chunk {chunk}" if chunk else "token walk", "chunk": chunk, "ms": ms,
-                   **errors}
+                                                     has_initial=has_initial, **launch), args.runs, dev)
+            chunk = launch.get("chunk", 0)
+            path = (f"chunk {chunk}" if chunk else "walk {}x{}".format(*launch["walk"]) if "walk" in launch
+                    else "token walk")
+            row = {"prompt": n, "path": path, "chunk": chunk, "ms": ms, **errors}
             rows.append(row)
             print(f"[gdn-kernel] {row}", file=sys.stderr, flush=True)
-    walk = {r["prompt"]: r["ms"] for r in rows if not r["chunk"]}
+    walk = {r["prompt"]: r["ms"] for r in rows if r["path"] == "token walk"}
     for r in rows:
         r["x_token"] = r["ms"] / walk[r["prompt"]]
     print(table(rows, COLUMNS))

@@ -12,7 +12,9 @@ step runs 48 such cores: where ``ours_wall_ms`` stays under ``stock_wall_ms`` th
 and that crossover is what PREFILL_GATE_GDN_RECURRENT's limit should be. ``--shapes``: our
 kernel's launch shapes to compare, BLOCK_VxSTAGES[xCHUNK[xWARPS]] (value rows per program x the
 token loop's pipeline depth x the chunk a prompt walks in, 0 token by token, x warps a program;
-PREFILL_GATE_GDN_CHUNK picks the chunk, the other numbers are the kernel's defaults).
+PREFILL_GATE_GDN_CHUNK picks the chunk, the other numbers are the kernel's defaults), or wRxW:
+the decodes at the kernel's default launch and the prompts, token by token, in a launch of their
+own of R value rows and W warps a program (PREFILL_GATE_GDN_WALK=RxW).
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ def main() -> int:
     p.add_argument("--lens", default="16,64,128,256,384,512,1024,1568,2048,4096")
     p.add_argument("--decodes", type=int, default=4)
     p.add_argument("--runs", type=int, default=30, help="timed calls per path and length")
-    p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES[xCHUNK[xWARPS]], "
-                   "comma-separated")
+    p.add_argument("--shapes", default="32x1", help="our kernel's launch shapes, BLOCK_VxSTAGES[xCHUNK[xWARPS]] or "
+                   "wROWSxWARPS (the prompts' own launch), comma-separated")
     p.add_argument("--json", required=True, help="where the sweep goes (with --choice: a sweep to read)")
     p.add_argument("--choice", action="store_true",
-                   help="print the sweep's choice in --json as 'CHUNK LIMIT' (off for none) and run nothing")
+                   help="print the sweep's choice in --json as 'CHUNK LIMIT WALK' (off for none) and run nothing")
     args = p.parse_args()
     if args.choice:
         c = json.loads(Path(args.json).read_text()).get("choice") or {}
-        print(c.get("chunk") or "off", c.get("limit") or "off")
+        print(c.get("chunk") or "off", c.get("limit") or "off", c.get("walk") or "off")
         return 0
     from tests.engine.gdn_gpu import compare_paths
 
@@ -65,28 +67,31 @@ def main() -> int:
 MAX_OUT_REL = 0.02  # a prompt's outputs within 2% of vLLM's path (rounding, not a bug)
 
 
-def deployable(shape: str) -> int | None:
-    """The PREFILL_GATE_GDN_CHUNK a shape is what the engine patch runs with (the kernel's own
-    launch defaults for that chunk), or None for a shape only a code change would deploy."""
+def deployable(shape: str) -> dict | None:
+    """The settings under which the engine patch runs a shape: PREFILL_GATE_GDN_CHUNK (the
+    kernel's own launch defaults for that chunk) and PREFILL_GATE_GDN_WALK ("RxW" for a wRxW
+    shape, else None); None for a shape only a code change would deploy."""
     from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS
 
     launch = launch_shape(shape)[1]
+    if "walk" in launch:
+        return {"chunk": 0, "walk": "x".join(map(str, launch["walk"]))}
     chunk = launch.get("chunk", 0)
     want = {"block_v": CHUNK_BLOCK_V if chunk else BLOCK_V, "stages": 1, "chunk": chunk,
             "num_warps": CHUNK_WARPS if chunk else 4}
-    return chunk if {**want, **launch} == want else None
+    return {"chunk": chunk, "walk": None} if {**want, **launch} == want else None
 
 
 def choose(rows: list[dict]) -> dict | None:
-    """PREFILL_GATE_GDN_CHUNK and _RECURRENT for the stack from a sweep: per deployable shape
+    """PREFILL_GATE_GDN_CHUNK, _WALK and _RECURRENT for the stack from a sweep: per deployable shape
     the limit is the last prompt length up to which, at every length swept, ours is faster than
     vLLM's path (GPU time), its outputs within MAX_OUT_REL and the decodes' outputs identical; the
     shape with the largest limit wins (a tie: the faster at the length nearest 300 tokens, a
     short agent turn). None: no shape pays at the shortest length."""
     best = None
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        chunk = deployable(shape)
-        if chunk is None:
+        settings = deployable(shape)
+        if settings is None:
             continue
         mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["prompt"])
         limit = 0
@@ -99,13 +104,19 @@ def choose(rows: list[dict]) -> dict | None:
         near = min(mine, key=lambda r: abs(r["prompt"] - 300))
         key = (limit, -near["ours_wall_ms"])
         if best is None or key > best[0]:
-            best = (key, {"chunk": chunk, "limit": limit, "shape": shape, "ms_near_300": near["ours_wall_ms"],
+            best = (key, {**settings, "limit": limit, "shape": shape, "ms_near_300": near["ours_wall_ms"],
                           "stock_ms_near_300": near["stock_wall_ms"]})
     return best[1] if best else None
 
 
 def launch_shape(text: str) -> tuple[str, dict]:
-    """BLOCK_VxSTAGES[xCHUNK[xWARPS]] -> (the shape as given, the kernel's launch arguments)."""
+    """BLOCK_VxSTAGES[xCHUNK[xWARPS]] or wROWSxWARPS -> (the shape as given, the kernel's launch
+    arguments)."""
+    if text.startswith("w"):
+        numbers = [int(x) for x in text[1:].split("x")]
+        if len(numbers) != 2:
+            raise SystemExit(f"--shapes: {text!r} is not wROWSxWARPS")
+        return text, {"walk": tuple(numbers)}
     numbers = [int(x) for x in text.split("x")]
     if not 2 <= len(numbers) <= 4:
         raise SystemExit(f"--shapes: {text!r} is not BLOCK_VxSTAGES[xCHUNK[xWARPS]]")

@@ -51,12 +51,13 @@ stop_port() {  # port: the server on it (if any) stopped, its GPU memory freed
   sleep 5
 }
 
-gdn_choice() {  # sweep.json: GDN_CHUNK and GDN_LIMIT from gdn_h200.sh's kernel stage (gdn_sweep.py's
-  # `choose`), unless this call sets either
-  [ -z "${GDN_LIMIT:-}${GDN_CHUNK:-}" ] && [ -f "$1" ] || return 0
-  read -r GDN_CHUNK GDN_LIMIT < <(python3 bench/gpu/gdn_sweep.py --choice --json "$1")
+gdn_choice() {  # sweep.json: GDN_CHUNK, GDN_LIMIT and GDN_WALK from gdn_h200.sh's kernel stage
+  # (gdn_sweep.py's `choose`), unless this call sets any of them
+  [ -z "${GDN_LIMIT:-}${GDN_CHUNK:-}${GDN_WALK:-}" ] && [ -f "$1" ] || return 0
+  read -r GDN_CHUNK GDN_LIMIT GDN_WALK < <(python3 bench/gpu/gdn_sweep.py --choice --json "$1")
   [ "$GDN_CHUNK" = off ] && GDN_CHUNK=
-  say "from the sweep: GDN_CHUNK=${GDN_CHUNK:-off} GDN_LIMIT=$GDN_LIMIT"
+  [ "$GDN_WALK" = off ] && GDN_WALK=
+  say "from the sweep: GDN_CHUNK=${GDN_CHUNK:-off} GDN_LIMIT=$GDN_LIMIT GDN_WALK=${GDN_WALK:-off}"
 }
 
 wait_health() {  # port timeout_s [pid]: fails at once if the server process died

@@ -37,18 +37,19 @@ def register() -> None:
     config = PacingConfig.from_env()
     spec_as_decode = mode_from_env()
     graph_steps = graphs.mode_from_env()
-    gdn_limit, gdn_chunk = gdn.mode_from_env(), gdn.chunk_from_env()
+    gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
     gc_log_s = stalls.threshold_from_env()
     say = lambda message: logger.info("prefill-gate %s", message)  # noqa: E731
     graphs.install(_vllm.VllmConfig, graph_steps, say)
     if gdn_limit or gdn.installed():  # vLLM's GDN layer modules load only where the patch is asked for
         internals = _vllm.gdn_internals()
-        gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk)
+        gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk)
     stalls.install(gc_log_s, logger)
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, gdn.ENV,
-                gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", stalls.ENV,
+                gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", gdn.WALK_ENV,
+                "x".join(map(str, gdn_walk)) if gdn_walk else "off", stalls.ENV,
                 f"{gc_log_s * 1e3:g}" if gc_log_s else "off")

@@ -30,6 +30,13 @@ and decode-only steps take vLLM's path unchanged.
                                       the walk's time at 300-512 tokens, but its decodes'
                                       bits differ from vLLM's (bench/results/gdn/h100/)
 
+    PREFILL_GATE_GDN_WALK       off   decodes and prompts in one launch, 32 value rows and 4
+                                      warps a program (the shape whose decodes matched vLLM's
+                                      bits on the H200)
+                                RxW   prompts token by token in a launch of their own, R value
+                                      rows and W warps a program (e.g. 8x1); the decodes keep
+                                      the launch above, and so their bits. Not with a chunk
+
 Numerics: decodes are bit-identical to vLLM's (the same arithmetic as its recurrent kernel,
 tested under Triton's interpreter); a prompt's tokens follow the recurrence token by token in
 float32 (with chunks: in chunks of 16 or 32 with tf32 products) where vLLM's chunked form computes
@@ -51,6 +58,7 @@ from collections.abc import Mapping
 
 ENV = "PREFILL_GATE_GDN_RECURRENT"
 CHUNK_ENV = "PREFILL_GATE_GDN_CHUNK"
+WALK_ENV = "PREFILL_GATE_GDN_WALK"
 ON_TOKENS = 512  # "on": the H200 sweep's last length where one launch still beats vLLM's path
 MAX_TOKENS = 4096
 CHUNKS = (16, 32)
@@ -88,6 +96,29 @@ def chunk_from_env(environ: Mapping[str, str] | None = None) -> int:
         raise GdnRecurrentError(f"{CHUNK_ENV}={env.get(CHUNK_ENV)!r}: expected off or one of "
                                 f"{', '.join(map(str, CHUNKS))} (tokens a chunk)")
     return int(raw)
+
+
+def walk_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """The prompts' own launch shape, (value rows, warps) a program (None: one launch for all)."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(WALK_ENV) or "off").strip().lower()
+    if raw == "off":
+        return None
+    from prefill_gate.kernels.gated_delta import WARPS
+
+    rows, _, warps = raw.partition("x")
+    try:
+        walk = int(rows), int(warps)
+    except ValueError:
+        walk = None
+    if walk is None or not 1 <= walk[0] <= 128 or walk[0] & (walk[0] - 1) or walk[1] not in WARPS:
+        raise GdnRecurrentError(f"{WALK_ENV}={env.get(WALK_ENV)!r}: expected off or ROWSxWARPS, value rows a "
+                                f"program a power of two up to 128 and warps one of {', '.join(map(str, WARPS))} "
+                                "(e.g. 8x1)")
+    if chunk_from_env(env):
+        raise GdnRecurrentError(f"{WALK_ENV} shapes the prompts' token walk; with {CHUNK_ENV} set they go in "
+                                "chunks instead: set one of the two")
+    return walk
 
 
 def eligible(metadata, limit: int) -> bool:
@@ -145,17 +176,17 @@ def installed() -> bool:
     return hasattr(getattr(layer_cls, "_forward_core", None), "prefill_gate_settings")
 
 
-def install(layer_cls, limit: int, vllm, log, chunk: int = 0) -> None:
+def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, int] | None = None) -> None:
     """Wrap ``layer_cls._forward_core`` so that eligible steps take ``recurrent_core``. Installing
     again only replaces the settings (register() runs in every process); limit 0 restores vLLM's."""
     current = layer_cls._forward_core
     if hasattr(current, "prefill_gate_settings"):
-        current.prefill_gate_settings.update(limit=limit, chunk=chunk)
+        current.prefill_gate_settings.update(limit=limit, chunk=chunk, walk=walk)
         return
     if limit <= 0:
         return
     original = current
-    settings = {"limit": limit, "chunk": chunk}
+    settings = {"limit": limit, "chunk": chunk, "walk": walk}
 
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
@@ -163,10 +194,13 @@ def install(layer_cls, limit: int, vllm, log, chunk: int = 0) -> None:
         metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
         if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
             return original(self, mixed_qkv, b, a, core_attn_out)
-        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, chunk=settings["chunk"])
+        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, chunk=settings["chunk"],
+                       walk=settings["walk"])
 
     _forward_core.prefill_gate_settings = settings
     layer_cls._forward_core = _forward_core
-    walk = f"prompts in chunks of {chunk} ({CHUNK_ENV})" if chunk else "prompts token by token"
+    how = (f"prompts in chunks of {chunk} ({CHUNK_ENV})" if chunk else
+           f"prompts token by token in a launch of their own, {walk[0]} value rows and {walk[1]} warps a program "
+           f"({WALK_ENV})" if walk else "prompts token by token")
     log(f"Gated DeltaNet: steps with at most {limit} prompt tokens run one recurrent launch a layer ({ENV}), "
-        f"{walk}")
+        f"{how}")

@@ -9,6 +9,13 @@ spills at head_dim 128 on sm_70 (V100). The Gated DeltaNet recurrence
 (``gated_delta._gated_delta_kernel``) is built too, at the 27B hybrid's sizes, token by token
 and (sm_80 and up) with prompts in chunks of 16: the compiler refuses what Triton's interpreter,
 where its numerics are tested, lets through.
+
+``walk_report`` counts (bench/gdn_walks_aot.py runs it), in the PTX of each launch shape of the prompts' token walk (PREFILL_GATE_GDN_WALK: value
+rows and warps a program), what one token costs a program: instructions, warp shuffles and
+barriers in the loop, which the walk repeats once a token in dependent order; and registers. A
+token's update is two reductions over the key dimension per value row of the state tile, so the
+shape decides how much of it is shuffles and barriers. Counts, not times: a GPU run decides
+(bench/gpu/gdn_kernel_time.py --walks, gdn_sweep.py's wRxW shapes).
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
     fn = _gated_delta_kernel
     constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
                   "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages,
-                  "CHUNK": chunk, "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32"}
+                  "CHUNK": chunk, "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32", "ROWS": 0}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
@@ -132,6 +139,62 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     return Report(fn.__name__, num_warps, arch, dtype, head_dim, stages > 1, **_ptxas(compiled.asm["ptx"], arch),
                   chunk=chunk)
+
+
+WALKS = ((32, 4), (32, 1), (16, 1), (8, 1), (4, 1), (16, 2), (8, 2), (4, 2))  # (value rows, warps) a program
+HYBRID_27B = {"H": 16, "HV": 48, "K": 128, "V": 128}  # a GDN layer of the 27B hybrid (bench/gpu/hybrid_model.py)
+
+
+def token_loop(ptx: str) -> dict:
+    """The longest loop of a kernel's PTX (a block that a later branch jumps back to): its
+    instructions, warp shuffles, barriers and shared-memory loads and stores, executed once an
+    iteration by every warp of a program."""
+    lines = ptx.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\$L__BB\d+_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = i
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= i:
+            continue
+        body = [x.strip() for x in lines[start:i + 1]]
+        code = [x for x in body if x and not x.startswith(("$", "//", "{", "}", "."))]
+        if best is None or len(code) > best["instructions"]:
+            best = {"instructions": len(code), "shuffles": sum("shfl.sync" in x for x in code),
+                    "barriers": sum("bar.sync" in x or "barrier.sync" in x for x in code),
+                    "shared_loads": sum(x.startswith(("ld.shared", "@")) and "ld.shared" in x for x in code),
+                    "shared_stores": sum("st.shared" in x for x in code)}
+    if best is None:
+        raise ValueError("no loop in this PTX")
+    return best
+
+
+def walk_report(arch: int, rows: int, warps: int, dtype: str = "bf16") -> dict:
+    """The prompts' token walk at one launch shape (``rows`` value rows, ``warps`` warps a
+    program) on ``arch``: ptxas' registers and spills and the token loop's counts (``token_loop``);
+    ``warp_instructions_a_token``: programs x warps x loop instructions for one prompt of the
+    27B's layer (48 value heads of 128), the issue work a token asks of the whole GPU."""
+    from prefill_gate.kernels.gated_delta import ROWS_PROMPTS
+
+    fn = _gated_delta_kernel
+    sizes = HYBRID_27B
+    constexprs = {**sizes, "BK": triton.next_power_of_2(sizes["K"]), "BV": rows, "MASK_INITIAL": True, "STAGES": 1,
+                  "CHUNK": 0, "SUB": 1, "PRECISION": "tf32", "ROWS": ROWS_PROMPTS.value}
+    types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
+             "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
+    sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
+           for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    ptx = compiled.asm["ptx"]
+    loop = token_loop(ptx)
+    programs = triton.cdiv(sizes["V"], rows) * sizes["HV"]
+    return {"arch": arch, "dtype": dtype, "rows": rows, "warps": warps, **_ptxas(ptx, arch), **loop,
+            "programs": programs, "warp_instructions_a_token": programs * warps * loop["instructions"]}
 
 
 def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128) -> list[dict]:

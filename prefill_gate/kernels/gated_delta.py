@@ -27,6 +27,12 @@ it pays only while prompts are short: the engine patch (``engine_patches.gdn``) 
 here only when its prompt tokens are few. On the H200 that walk is ~1.8 us a token, ~25 ms of
 a 300-token prompt's step over 48 layers (bench/results/gdn/h200/).
 
+With ``walk`` set, the prompts go in a second launch of their own shape (value rows and warps a
+program), each token's inputs loaded while the one before updates the state; the decodes keep
+the first launch and its shape. The shape decides how a token's two sums over the key columns
+compile (across warps: shared memory and barriers; within one: shuffles), which is most of the
+walk's time (bench/gdn_walks_aot.py counts it in the PTX).
+
 With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
 program (``_chunk``): per chunk of C tokens a handful of matrix products and the in-chunk
 system solved by blocked substitution (15 small products, and two more to merge two blocks for
@@ -57,18 +63,38 @@ MAX_CHUNK = SUB_BLOCK << 1  # 32: one merge of substituted blocks. Chunks of 64 
 # exact under the interpreter but wrong on an H100 past their first chunk, and not the same twice
 # from one seed, besides 5x slower than the walk (bench/results/gdn/h100/run-b953a47/)
 PRECISIONS = ("tf32", "tf32x3", "ieee")
+# Which sequences a launch takes (``walk``: decodes and prompts in launches of their own shapes).
+ROWS_ALL, ROWS_DECODES, ROWS_PROMPTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+WARPS = (1, 2, 4, 8)
+
+
+@triton.jit
+def _inputs(q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv, o_k, o_v,
+            mask_k, mask_v, K: tl.constexpr, V: tl.constexpr):
+    """Token ``t``'s q, k, v rows and gate pre-activations, in float32."""
+    b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    x_a = tl.load(a + t * stride_a + i_hv).to(tl.float32)
+    x_b = tl.load(b + t * stride_b + i_hv).to(tl.float32)
+    return b_q, b_k, b_v, x_a, x_b
 
 
 @triton.jit
 def _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv, o_k, o_v,
            mask_k, mask_v, decay, bias, scale, K: tl.constexpr, V: tl.constexpr):
     """One token's update of a [BV, BK] state tile: (the new tile, the token's output rows)."""
-    b_q = tl.load(q + t * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-    b_k = tl.load(k + t * stride_k + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-    b_v = tl.load(v + t * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-    x = tl.load(a + t * stride_a + i_hv).to(tl.float32) + bias
+    b_q, b_k, b_v, x_a, x_b = _inputs(q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h,
+                                      i_hv, o_k, o_v, mask_k, mask_v, K, V)
+    return _update(h, b_q, b_k, b_v, x_a, x_b, decay, bias, scale)
+
+
+@triton.jit
+def _update(h, b_q, b_k, b_v, x_a, x_b, decay, bias, scale):
+    """The rule's step for one token's inputs (``_inputs``): (the new tile, the output rows)."""
+    x = x_a + bias
     softplus = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x)
-    beta = tl.sigmoid(tl.load(b + t * stride_b + i_hv).to(tl.float32))
+    beta = tl.sigmoid(x_b)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS) * scale
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
     h *= tl.exp(decay * softplus)
@@ -155,7 +181,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
                         stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_slot, scale,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, MASK_INITIAL: tl.constexpr, STAGES: tl.constexpr,
-                        CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+                        CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr = 0):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -167,6 +193,12 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
         return  # no state slot (vLLM's NULL block, padding): nothing to compute or keep
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if ROWS == ROWS_DECODES:
+        if eos - bos > 1:
+            return  # a prompt: the other launch's
+    elif ROWS == ROWS_PROMPTS:
+        if eos - bos <= 1:
+            return
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -188,8 +220,21 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
         for t0 in tl.range(bos, eos, CHUNK, num_stages=STAGES):
             h = _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
                        i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V, CHUNK, SUB, PRECISION)
+    elif ROWS == ROWS_PROMPTS:  # the prompts' own launch: token t + 1's inputs load while t updates the tile
+        n_q, n_k, n_v, n_a, n_b = _inputs(q, k, v, a, b, bos, stride_q, stride_k, stride_v, stride_a, stride_b,
+                                          i_h, i_hv, o_k, o_v, mask_k, mask_v, K, V)
+        for t in tl.range(bos, eos):
+            c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
+            n_q, n_k, n_v, n_a, n_b = _inputs(q, k, v, a, b, tl.minimum(t + 1, eos - 1), stride_q, stride_k,
+                                              stride_v, stride_a, stride_b, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                                              K, V)
+            h, b_o = _update(h, c_q, c_k, c_v, c_a, c_b, decay, bias, scale)
+            tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     else:  # decodes (and prompts shorter than a chunk): token by token, vLLM's decode arithmetic
-        for t in tl.range(bos, eos, num_stages=STAGES):  # STAGES > 1: the next tokens' loads in flight
+        # STAGES asks Triton's software pipeliner for the next tokens' loads; Triton 3.6 leaves this
+        # loop as it is (the same PTX for 1-3 stages on sm_90; its pipeliner takes loads it can copy
+        # asynchronously into shared memory). The prompts' own launch (above) loads ahead by hand.
+        for t in tl.range(bos, eos, num_stages=STAGES):
             h, b_o = _token(h, q, k, v, a, b, t, stride_q, stride_k, stride_v, stride_a, stride_b, i_h, i_hv,
                             o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V)
             tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
@@ -211,7 +256,7 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                           has_initial: torch.Tensor | None = None, *, scale: float | None = None,
                           out: torch.Tensor | None = None, num_warps: int | None = None,
                           block_v: int | None = None, stages: int = 1, chunk: int = 0,
-                          precision: str = "tf32") -> torch.Tensor:
+                          precision: str = "tf32", walk: tuple[int, int] | None = None) -> torch.Tensor:
     """Run the gated delta rule over every sequence of a step; update ``state`` in place.
 
     q, k     [tokens, H, K]       (token stride free, heads packed: views of the conv output)
@@ -234,6 +279,12 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                                   matrix products (``_chunk``); shorter ones token by token
     precision                     the chunks' matrix products: Triton's ``input_precision``
                                   ("tf32" on tensor cores, "tf32x3", "ieee")
+    walk                          (value rows, warps) a program for the prompts, token by
+                                  token, in a launch of their own that loads each token's
+                                  inputs while the one before updates the state; the
+                                  decodes keep the launch shape above (and so their bits),
+                                  in the first launch. None: one launch for all. Not with
+                                  ``chunk``
 
     Nothing here reads a device value on the host: the launch never waits for the GPU."""
     tokens, H, K = q.shape
@@ -266,12 +317,22 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                          f"block_v {block_v}, K {K}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    grid = (triton.cdiv(V, block_v), n * HV)
-    _gated_delta_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
-        has_initial if has_initial is not None else state_indices,
-        *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
-        K ** -0.5 if scale is None else scale,
-        H=H, HV=HV, K=K, V=V, BK=block_k, BV=block_v, MASK_INITIAL=has_initial is not None, STAGES=stages,
-        CHUNK=chunk, SUB=min(chunk, SUB_BLOCK) if chunk else 1, PRECISION=precision, num_warps=num_warps)
+    launches = [(block_v, num_warps, ROWS_ALL)]
+    if walk is not None:
+        walk_v, walk_warps = walk
+        if chunk:
+            raise ValueError("walk is the token walk's launch for prompts; with chunk, prompts go in chunks")
+        if walk_v < 1 or walk_v & (walk_v - 1) or walk_warps not in WARPS:
+            raise ValueError(f"walk: value rows a power of two and warps one of {WARPS}, got {walk}")
+        walk_v = min(triton.next_power_of_2(V), walk_v)
+        launches = [(block_v, num_warps, ROWS_DECODES), (walk_v, walk_warps, ROWS_PROMPTS)]
+    args = (q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
+            has_initial if has_initial is not None else state_indices,
+            *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
+            K ** -0.5 if scale is None else scale)
+    for rows_v, warps, rows in launches:
+        _gated_delta_kernel[(triton.cdiv(V, rows_v), n * HV)](
+            *args, H=H, HV=HV, K=K, V=V, BK=block_k, BV=rows_v, MASK_INITIAL=has_initial is not None,
+            STAGES=stages, CHUNK=chunk, SUB=min(chunk, SUB_BLOCK) if chunk else 1, PRECISION=precision,
+            ROWS=rows.value, num_warps=warps)
     return out

@@ -37,6 +37,13 @@ def test_the_setting():
     for bad in ("on", "8", "48", "64", "128"):  # 64: wrong on an H100, no longer offered
         with pytest.raises(gdn.GdnRecurrentError, match=gdn.CHUNK_ENV):
             gdn.chunk_from_env({gdn.CHUNK_ENV: bad})
+    assert gdn.walk_from_env({}) is None and gdn.walk_from_env({gdn.WALK_ENV: "off"}) is None
+    assert gdn.walk_from_env({gdn.WALK_ENV: " 8X1 "}) == (8, 1) and gdn.walk_from_env({gdn.WALK_ENV: "128x8"}) == (128, 8)
+    for bad in ("on", "8", "12x1", "8x3", "256x1", "0x1", "x", "8x1x1"):
+        with pytest.raises(gdn.GdnRecurrentError, match=f"{gdn.WALK_ENV}='{bad}': expected off or ROWSxWARPS"):
+            gdn.walk_from_env({gdn.WALK_ENV: bad})
+    with pytest.raises(gdn.GdnRecurrentError, match="set one of the two"):
+        gdn.walk_from_env({gdn.WALK_ENV: "8x1", gdn.CHUNK_ENV: "16"})
 
 
 def metadata(lens, has_initial, slots, spec=False, device="cpu"):
@@ -116,11 +123,12 @@ def fake_vllm(step):
         get_forward_context=lambda: SimpleNamespace(attn_metadata={PREFIX: step}), seen=seen)
 
 
-@pytest.mark.parametrize("chunk", [0, 16])
-def test_the_layer_core_matches_the_specification(chunk):
+@pytest.mark.parametrize("chunk,walk", [(0, None), (16, None), (0, (4, 1))])
+def test_the_layer_core_matches_the_specification(chunk, walk):
     """A step of two decodes, a prompt continuing a cached state and a fresh prompt whose slot
     holds another request's old state, padded to 48 tokens as a graph-less step may be; with
-    PREFILL_GATE_GDN_CHUNK=16 the 21-token prompt goes in chunks."""
+    PREFILL_GATE_GDN_CHUNK=16 the 21-token prompt goes in chunks, with PREFILL_GATE_GDN_WALK
+    both prompts in a launch of their own."""
     lens, has_initial, slots = [1, 1, 9, 21], [True, True, True, False], [5, 2, 7, 3]
     step = metadata(lens, has_initial, slots)
     tokens, padded = sum(lens), 48
@@ -135,8 +143,8 @@ def test_the_layer_core_matches_the_specification(chunk):
         pass
 
     vllm = fake_vllm(step)
-    gdn.install(Layer, 64, vllm, lambda message: None, chunk=chunk)
-    assert Layer._forward_core.prefill_gate_settings == {"limit": 64, "chunk": chunk}
+    gdn.install(Layer, 64, vllm, lambda message: None, chunk=chunk, walk=walk)
+    assert Layer._forward_core.prefill_gate_settings == {"limit": 64, "chunk": chunk, "walk": walk}
     patched = Layer()
     patched.kv_cache = tuple(t.clone() for t in layer.kv_cache)
     out = torch.zeros(padded, HV, V)
@@ -181,12 +189,20 @@ def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
     wrapped = QwenGatedDeltaNetAttention._forward_core
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0} and wrapped.__wrapped__ is original
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": None}
+    assert wrapped.__wrapped__ is original
     assert f"at most {gdn.ON_TOKENS} prompt tokens run one recurrent launch" in caplog.text
-    assert "prompts token by token" in caplog.text
+    assert "prompts token by token" in caplog.text and "PREFILL_GATE_GDN_WALK=off" in caplog.text
+    monkeypatch.setenv(gdn.WALK_ENV, "8x1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
+        engine_patches.register()
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    assert "PREFILL_GATE_GDN_WALK=8x1" in caplog.text
+    monkeypatch.delenv(gdn.WALK_ENV)
     monkeypatch.setenv(gdn.CHUNK_ENV, "32")
     engine_patches.register()
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 32}
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 32, "walk": None}
     monkeypatch.setenv(gdn.CHUNK_ENV, "12")
     with pytest.raises(gdn.GdnRecurrentError, match="PREFILL_GATE_GDN_CHUNK='12'"):
         engine_patches.register()
@@ -211,4 +227,7 @@ def test_on_the_gpu_vllms_path_and_ours_agree():
     assert worst["out_rel"] <= 2e-2 and worst["state_rel"] <= 2e-2 and worst["decode_out_equal"], worst
     chunked = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"chunk": 16})  # PREFILL_GATE_GDN_CHUNK=16
     assert chunked["out_rel"] <= 2e-2 and chunked["state_rel"] <= 2e-2 and chunked["decode_out_equal"], chunked
+    for walk in ((8, 1), (4, 1), (16, 2)):  # PREFILL_GATE_GDN_WALK: the decodes keep their launch and bits
+        walked = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"walk": walk})
+        assert walked["out_rel"] <= 2e-2 and walked["state_rel"] <= 2e-2 and walked["decode_out_equal"], (walk, walked)
 

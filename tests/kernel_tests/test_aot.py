@@ -59,3 +59,26 @@ def test_the_gdn_chunks_build_and_fit_on_hopper(reports):
     assert set(rows) == {80, 90} and {r["num_warps"] for r in rows.values()} == {8}
     for r in rows.values():
         assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r
+
+
+def test_the_prompts_walk_shapes_build_without_spills_and_one_warp_needs_no_cross_warp_sums(tmp_path):
+    """PREFILL_GATE_GDN_WALK's shapes (the prompts' own launch, loading ahead) build for sm_90
+    with the state tile in registers; with one warp a program the token loop's reductions stay
+    within the warp (shuffles, a barrier or so for layout changes), where the default 4-warp
+    program sums across warps through shared memory, behind 14 barriers a token. That
+    difference is what the walk setting is for (bench/gdn_walks_aot.py; a GPU run times it)."""
+    from prefill_gate.kernels.aot import WALKS
+
+    out = tmp_path / "walks.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    subprocess.run([sys.executable, "bench/gdn_walks_aot.py", "--arch", "90", "--json", str(out)], cwd=ROOT, env=env,
+                   check=True, capture_output=True, timeout=600)
+    data = json.loads(out.read_text())
+    rows = {(r["rows"], r["warps"]): r for r in data["rows"]}
+    assert set(rows) == set(WALKS) and "git_commit" in data
+    for shape, r in rows.items():
+        assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, (shape, r)
+        assert r["instructions"] > 0 and r["shuffles"] > 0, (shape, r)
+    assert rows[(32, 4)]["barriers"] >= 10
+    assert all(r["barriers"] <= 3 for (_, w), r in rows.items() if w == 1), rows
+    assert rows[(8, 1)]["instructions"] < rows[(32, 4)]["instructions"] / 2

@@ -61,21 +61,35 @@ def test_a_mixed_step_matches_the_specification():
     assert not torch.allclose(ref_stale[10:22], ref_out[10:22], atol=1e-3)
 
 
-@pytest.mark.parametrize("block_v,stages", [(8, 1), (16, 2), (32, 3)])
-def test_the_launch_shape_does_not_change_the_numbers(block_v, stages):
-    """Value rows per program and the token loop's pipeline depth are speed knobs (the H200
-    sweep compares them): every shape gives the same bits as the default."""
-    lens = [1, 1, 9, 5]
+@pytest.mark.parametrize("block_v,stages,walk", [(8, 1, None), (16, 2, None), (32, 3, None), (None, 1, (8, 1)),
+                                                  (None, 1, (4, 2)), (16, 1, (64, 1)), (None, 1, (32, 4))])
+def test_the_launch_shape_does_not_change_the_numbers(block_v, stages, walk):
+    """Value rows per program, the token loop's pipeline depth and the prompts' own launch
+    (``walk``) are speed knobs (the GPU sweep compares them): every shape gives the same bits as
+    the default under the interpreter. With a walk each sequence is computed by exactly one of
+    the two launches: one that skipped a sequence, or took one twice, would leave its slot's
+    state (or its outputs) unlike the single launch's."""
+    lens = [1, 1, 9, 1, 5, 1]
     step = make_step(lens, V=32)
-    indices = torch.tensor([3, 5, 2, 6], dtype=torch.int32)
-    has_initial = torch.tensor([True, True, False, True])
+    indices = torch.tensor([3, 5, 2, 6, 1, 7], dtype=torch.int32)
+    has_initial = torch.tensor([True, True, False, True, True, True])
     base_state, state = step["state"].clone(), step["state"].clone()
     base = gated_delta_recurrent(**{**step, "state": base_state}, state_indices=indices, has_initial=has_initial)
     out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
-                                block_v=block_v, stages=stages)
+                                block_v=block_v, stages=stages, walk=walk)
     assert torch.equal(out, base) and torch.equal(state, base_state)
+
+
+def test_launch_shapes_are_checked():
+    step = make_step([1, 4], V=32)
+    indices = torch.tensor([3, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="power of two"):
         gated_delta_recurrent(**step, state_indices=indices, block_v=24)
+    for walk in ((24, 1), (8, 3), (0, 1)):
+        with pytest.raises(ValueError, match="walk: value rows a power of two"):
+            gated_delta_recurrent(**step, state_indices=indices, walk=walk)
+    with pytest.raises(ValueError, match="with chunk, prompts go in chunks"):
+        gated_delta_recurrent(**make_step([1, 20], K=32, V=32), state_indices=indices, walk=(8, 1), chunk=16)
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
@@ -224,6 +238,14 @@ def test_on_the_gpu_against_the_specification():
     assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max()
     # Prompts in chunks: tf32 products round the state's increments to ~5e-4 each (10-bit
     # mantissas), float32 ("ieee") ones as the token walk does.
+    base_out, base_state = out, state
+    for walk in ((8, 1), (4, 1), (16, 2)):  # the prompts' own launch: the same walk in other programs
+        state = step["state"].clone()
+        out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
+                                    walk=walk)
+        assert torch.equal(out[:16], base_out[:16]) and torch.equal(state[1:17], base_state[1:17]), walk  # decodes
+        assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max(), walk
+        assert (state.double().cpu() - ref_state).abs().max() <= 1e-3 * ref_state.abs().max(), walk
     for chunk, precision, state_tol in ((16, "tf32", 5e-3), (32, "tf32", 5e-3),
                                         (16, "ieee", 1e-3)):
         state = step["state"].clone()
