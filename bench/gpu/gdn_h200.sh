@@ -67,7 +67,7 @@ case $STAGE in
       tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
-      --shapes "${SHAPES:-32x1,w32x1,w16x1,w8x1,w4x1,w8x2,w16x2,16x1x16x8,16x1x32x8}" \
+      --shapes "${SHAPES:-32x1,32x1x0x1,w32x1,w16x1,w8x1,w4x1,w8x2,w16x2,16x1x16x8,16x1x32x8}" \
       2>&1 | tee "$RES/sweep.txt" ;;
   hybrid|subblock)
     SERVING="gdn $MODEL limit=${GDN_LIMIT:-on} chunk=${GDN_CHUNK:-off} walk=${GDN_WALK:-off}"

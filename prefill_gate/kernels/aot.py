@@ -141,7 +141,10 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
                   chunk=chunk)
 
 
-WALKS = ((32, 4), (32, 1), (16, 1), (8, 1), (4, 1), (16, 2), (8, 2), (4, 2))  # (value rows, warps) a program
+# The prompts' own launch shapes offered to the sweep, (value rows, warps) a program. Not 32 x 4,
+# the one launch's shape: with the walk's prefetched inputs and its one round of sums, its state
+# tile no longer fits sm_90's 255 registers (24 bytes spilled a thread).
+WALKS = ((32, 1), (16, 1), (8, 1), (4, 1), (16, 2), (8, 2), (4, 2))
 HYBRID_27B = {"H": 16, "HV": 48, "K": 128, "V": 128}  # a GDN layer of the 27B hybrid (bench/gpu/hybrid_model.py)
 
 
@@ -173,17 +176,18 @@ def token_loop(ptx: str) -> dict:
     return best
 
 
-def walk_report(arch: int, rows: int, warps: int, dtype: str = "bf16") -> dict:
+def walk_report(arch: int, rows: int = BLOCK_V, warps: int = 4, dtype: str = "bf16", walk: bool = True) -> dict:
     """The prompts' token walk at one launch shape (``rows`` value rows, ``warps`` warps a
-    program) on ``arch``: ptxas' registers and spills and the token loop's counts (``token_loop``);
-    ``warp_instructions_a_token``: programs x warps x loop instructions for one prompt of the
-    27B's layer (48 value heads of 128), the issue work a token asks of the whole GPU."""
-    from prefill_gate.kernels.gated_delta import ROWS_PROMPTS
+    program) on ``arch`` (``walk`` False: the one launch for decodes and prompts, as without
+    PREFILL_GATE_GDN_WALK): ptxas' registers and spills and the token loop's counts
+    (``token_loop``); ``warp_instructions_a_token``: programs x warps x loop instructions for one
+    prompt of the 27B's layer (48 value heads of 128), the issue work a token asks of the GPU."""
+    from prefill_gate.kernels.gated_delta import ROWS_ALL, ROWS_PROMPTS
 
     fn = _gated_delta_kernel
     sizes = HYBRID_27B
     constexprs = {**sizes, "BK": triton.next_power_of_2(sizes["K"]), "BV": rows, "MASK_INITIAL": True, "STAGES": 1,
-                  "CHUNK": 0, "SUB": 1, "PRECISION": "tf32", "ROWS": ROWS_PROMPTS.value}
+                  "CHUNK": 0, "SUB": 1, "PRECISION": "tf32", "ROWS": (ROWS_PROMPTS if walk else ROWS_ALL).value}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
@@ -193,7 +197,8 @@ def walk_report(arch: int, rows: int, warps: int, dtype: str = "bf16") -> dict:
     ptx = compiled.asm["ptx"]
     loop = token_loop(ptx)
     programs = triton.cdiv(sizes["V"], rows) * sizes["HV"]
-    return {"arch": arch, "dtype": dtype, "rows": rows, "warps": warps, **_ptxas(ptx, arch), **loop,
+    return {"arch": arch, "dtype": dtype, "launch": "prompts' walk" if walk else "one launch", "rows": rows,
+            "warps": warps, **_ptxas(ptx, arch), **loop,
             "programs": programs, "warp_instructions_a_token": programs * warps * loop["instructions"]}
 
 

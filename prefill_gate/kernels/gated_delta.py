@@ -104,6 +104,28 @@ def _update(h, b_q, b_k, b_v, x_a, x_b, decay, bias, scale):
 
 
 @triton.jit
+def _update_walk(h, b_q, b_k, b_v, x_a, x_b, decay, bias, scale):
+    """``_update`` for the prompts' own launch, with every sum over the key columns taken from
+    the tile before the token, in one round: the state times the raw key and the raw query, and
+    the key's and the query's norms and product. Then the new tile is the decayed one plus
+    u k^T, and its product with the query is gate (S q) + u (k . q), so no second round of
+    sums waits on the update. The same rule in another order: rounding differs from ``_update``
+    (prompts only; decodes keep ``_update``'s, vLLM's)."""
+    x = x_a + bias
+    softplus = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1 + tl.exp(x)), x)
+    beta = tl.sigmoid(x_b)
+    gate = tl.exp(decay * softplus)
+    h_k = tl.sum(h * b_k[None, :], 1)
+    h_q = tl.sum(h * b_q[None, :], 1)
+    r_k = tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+    r_q = tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS) * scale
+    k_q = tl.sum(b_k * b_q)
+    u = (b_v - gate * r_k * h_k) * beta
+    h = h * gate + u[:, None] * (b_k * r_k)[None, :]
+    return h, gate * r_q * h_q + u * (r_k * r_q * k_q)
+
+
+@triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, SUB: tl.constexpr):
     """(I + A)^-1 for a strictly lower triangular [C, C] tile A, in float32 products.
 
@@ -228,7 +250,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
             n_q, n_k, n_v, n_a, n_b = _inputs(q, k, v, a, b, tl.minimum(t + 1, eos - 1), stride_q, stride_k,
                                               stride_v, stride_a, stride_b, i_h, i_hv, o_k, o_v, mask_k, mask_v,
                                               K, V)
-            h, b_o = _update(h, c_q, c_k, c_v, c_a, c_b, decay, bias, scale)
+            h, b_o = _update_walk(h, c_q, c_k, c_v, c_a, c_b, decay, bias, scale)
             tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     else:  # decodes (and prompts shorter than a chunk): token by token, vLLM's decode arithmetic
         # STAGES asks Triton's software pipeliner for the next tokens' loads; Triton 3.6 leaves this

@@ -61,14 +61,10 @@ def test_a_mixed_step_matches_the_specification():
     assert not torch.allclose(ref_stale[10:22], ref_out[10:22], atol=1e-3)
 
 
-@pytest.mark.parametrize("block_v,stages,walk", [(8, 1, None), (16, 2, None), (32, 3, None), (None, 1, (8, 1)),
-                                                  (None, 1, (4, 2)), (16, 1, (64, 1)), (None, 1, (32, 4))])
-def test_the_launch_shape_does_not_change_the_numbers(block_v, stages, walk):
-    """Value rows per program, the token loop's pipeline depth and the prompts' own launch
-    (``walk``) are speed knobs (the GPU sweep compares them): every shape gives the same bits as
-    the default under the interpreter. With a walk each sequence is computed by exactly one of
-    the two launches: one that skipped a sequence, or took one twice, would leave its slot's
-    state (or its outputs) unlike the single launch's."""
+@pytest.mark.parametrize("block_v,stages", [(8, 1), (16, 2), (32, 3)])
+def test_the_launch_shape_does_not_change_the_numbers(block_v, stages):
+    """Value rows per program and the token loop's pipeline depth are speed knobs (the GPU
+    sweep compares them): every shape gives the same bits as the default under the interpreter."""
     lens = [1, 1, 9, 1, 5, 1]
     step = make_step(lens, V=32)
     indices = torch.tensor([3, 5, 2, 6, 1, 7], dtype=torch.int32)
@@ -76,8 +72,37 @@ def test_the_launch_shape_does_not_change_the_numbers(block_v, stages, walk):
     base_state, state = step["state"].clone(), step["state"].clone()
     base = gated_delta_recurrent(**{**step, "state": base_state}, state_indices=indices, has_initial=has_initial)
     out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
-                                block_v=block_v, stages=stages, walk=walk)
+                                block_v=block_v, stages=stages)
     assert torch.equal(out, base) and torch.equal(state, base_state)
+
+
+@pytest.mark.parametrize("block_v,walk", [(None, (8, 1)), (None, (4, 2)), (16, (64, 1)), (None, (32, 4))])
+def test_the_prompts_own_launch_keeps_the_decodes_bits_and_the_rule(block_v, walk):
+    """``walk``: the prompts in a launch of their own, their sums over the key columns in one
+    round (``_update_walk``): the decodes' outputs and states are the one launch's bit for bit,
+    the prompts' follow the specification to float32 rounding. Each sequence is computed by
+    exactly one launch: a skipped one would keep its slot's old state, a twice-walked one would
+    be two steps on, either far outside the tolerance."""
+    lens = [1, 1, 9, 1, 5, 1]
+    decodes, prompts = [0, 1, 3, 5], [2, 4]
+    step = make_step(lens, V=32)
+    indices = torch.tensor([3, 5, 2, 6, 1, 7], dtype=torch.int32)
+    has_initial = torch.tensor([True, True, False, True, True, True])
+    base_state, state = step["state"].clone(), step["state"].clone()
+    base = gated_delta_recurrent(**{**step, "state": base_state}, state_indices=indices, has_initial=has_initial,
+                                 block_v=block_v)
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, has_initial=has_initial,
+                                block_v=block_v, walk=walk)
+    rows = step["cu_seqlens"].tolist()
+    for n in decodes:
+        assert torch.equal(out[rows[n]:rows[n + 1]], base[rows[n]:rows[n + 1]])
+        assert torch.equal(state[indices[n]], base_state[indices[n]])
+    ref_out, ref_state = gated_delta_ref(**step, state_indices=indices, has_initial=has_initial)
+    for n in prompts:
+        assert torch.allclose(out[rows[n]:rows[n + 1]].double(), ref_out[rows[n]:rows[n + 1]], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(state[indices[n]].double(), ref_state[indices[n]], atol=1e-5, rtol=1e-5)
+    untouched = [i for i in range(8) if i not in indices.tolist()]
+    assert torch.equal(state[untouched], step["state"][untouched])
 
 
 def test_launch_shapes_are_checked():
@@ -122,13 +147,14 @@ def test_prompts_in_chunks_match_the_specification(chunk):
     assert torch.equal(state[indices[short].long()], plain_state[indices[short].long()])
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
+@pytest.mark.parametrize("chunk,walk", [(16, None), (32, None), (0, (8, 1))])
+def test_chunks_stay_exact_where_the_rule_is_hard(chunk, walk):
     """Inputs that break a careless chunked form: one key repeated with beta ~1 and no decay (the
     in-chunk system is as coupled as it gets; an inverse built from powers of A cancels away
     its precision), gates that close hard (log decays of ~-500 a token: a running sum in the
     thousands, where a last-token weight taken from a second sum is off by 1e-3) and two keys
-    alternating. Every output and state within 1e-5 of the specification's largest value."""
+    alternating. Every output and state within 1e-5 of the specification's largest value. The
+    prompts' own launch (``walk``, its sums in one round) is held to the same."""
     lens = [64, 64, 64]
     step = make_step(lens, H=1, HV=2, V=16, seed=2)
     k, a, b = step["k"], step["a"], step["b"]
@@ -141,7 +167,7 @@ def test_chunks_stay_exact_where_the_rule_is_hard(chunk):
     indices = torch.tensor([1, 2, 3], dtype=torch.int32)
     ref_out, ref_state = gated_delta_ref(**step, state_indices=indices)
     state = step["state"].clone()
-    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, chunk=chunk, block_v=16)
+    out = gated_delta_recurrent(**{**step, "state": state}, state_indices=indices, chunk=chunk, block_v=16, walk=walk)
     assert (out.double() - ref_out).abs().max() <= 1e-5 * ref_out.abs().max()
     assert (state.double() - ref_state).abs().max() <= 1e-5 * ref_state.abs().max()
 
