@@ -127,18 +127,25 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
     ``stages`` > 1: its token loop software-pipelined (reported as ``split``); ``chunk``: prompts
     in chunks (tf32 matrix products where the target has them; Triton falls back to float32 FMAs
     on sm_70)."""
+    ptx = _gated_delta_ptx(arch, dtype, num_warps, {
+        "H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
+        "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages, "CHUNK": chunk,
+        "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32", "ROWS": 0})
+    return Report(_gated_delta_kernel.__name__, num_warps, arch, dtype, head_dim, stages > 1, **_ptxas(ptx, arch),
+                  chunk=chunk)
+
+
+def _gated_delta_ptx(arch: int, dtype: str, num_warps: int, constexprs: dict) -> str:
+    """The recurrence's PTX for ``arch``: q, k, v, a, b and the output in ``dtype``, the state
+    in float32."""
     fn = _gated_delta_kernel
-    constexprs = {"H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
-                  "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages,
-                  "CHUNK": chunk, "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32", "ROWS": 0}
     types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
              "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
     sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return Report(fn.__name__, num_warps, arch, dtype, head_dim, stages > 1, **_ptxas(compiled.asm["ptx"], arch),
-                  chunk=chunk)
+    return compiled.asm["ptx"]
 
 
 # The prompts' own launch shapes offered to the sweep, (value rows, warps) a program. Not 32 x 4,
@@ -184,17 +191,10 @@ def walk_report(arch: int, rows: int = BLOCK_V, warps: int = 4, dtype: str = "bf
     prompt of the 27B's layer (48 value heads of 128), the issue work a token asks of the GPU."""
     from prefill_gate.kernels.gated_delta import ROWS_ALL, ROWS_PROMPTS
 
-    fn = _gated_delta_kernel
     sizes = HYBRID_27B
-    constexprs = {**sizes, "BK": triton.next_power_of_2(sizes["K"]), "BV": rows, "MASK_INITIAL": True, "STAGES": 1,
-                  "CHUNK": 0, "SUB": 1, "PRECISION": "tf32", "ROWS": (ROWS_PROMPTS if walk else ROWS_ALL).value}
-    types = {"q": dtype, "k": dtype, "v": dtype, "a": dtype, "b": dtype, "o": dtype, "A_log": "fp32",
-             "dt_bias": "fp32", "state": "fp32", "cu_seqlens": "i32", "state_indices": "i32", "has_initial": "i1"}
-    sig = {n: "constexpr" if n in constexprs else f"*{types[n]}" if n in types else "fp32" if n == "scale" else "i32"
-           for n in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    ptx = compiled.asm["ptx"]
+    ptx = _gated_delta_ptx(arch, dtype, warps, {
+        **sizes, "BK": triton.next_power_of_2(sizes["K"]), "BV": rows, "MASK_INITIAL": True, "STAGES": 1, "CHUNK": 0,
+        "SUB": 1, "PRECISION": "tf32", "ROWS": (ROWS_PROMPTS if walk else ROWS_ALL).value})
     loop = token_loop(ptx)
     programs = triton.cdiv(sizes["V"], rows) * sizes["HV"]
     return {"arch": arch, "dtype": dtype, "launch": "prompts' walk" if walk else "one launch", "rows": rows,
