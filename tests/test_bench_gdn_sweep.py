@@ -105,3 +105,20 @@ def test_the_decode_bits_check_runs_end_to_end_under_the_interpreter(tmp_path):
     assert data["rows"][0]["decode_out_max_diff"] == 0 and data["rows"][0]["prompt_out_rel"] == 0
     assert all(r["decode_out_equal"] and r["decode_state_equal"] and r["prompt_out_rel"] < 1e-4 for r in data["rows"])
     assert "git_commit" in data
+
+
+def test_the_kernel_stage_sweeps_only_shapes_the_kernel_launches():
+    """bench/gpu/gdn_h200.sh's default --shapes, each launched once on a tiny step (under the
+    interpreter here, on the GPU before the sweep's first row there): until this check, the list
+    still named chunks of 64, which the kernel refuses, so the stage would have stopped after
+    spending its GPU time on the rows before it."""
+    import re
+
+    text = (ROOT / "bench/gpu/gdn_h200.sh").read_text()
+    shapes = re.search(r'--shapes "\$\{SHAPES:-([^}]*)\}"', text).group(1).split(",")
+    assert "w8x1" in shapes and "32x1" in shapes
+    gdn_sweep.check_shapes([gdn_sweep.launch_shape(x) for x in shapes], "cpu")
+    with pytest.raises(SystemExit, match="16x1x64x8: chunk must be 0 or a power of two in 16..32"):
+        gdn_sweep.check_shapes([gdn_sweep.launch_shape("16x1x64x8")], "cpu")
+    with pytest.raises(SystemExit, match="w8x3: walk: value rows a power of two"):
+        gdn_sweep.check_shapes([gdn_sweep.launch_shape("w8x3")], "cpu")

@@ -50,6 +50,7 @@ def main() -> int:
     from tests.engine.gdn_gpu import compare_paths
 
     shapes = [launch_shape(shape) for shape in args.shapes.split(",")]
+    check_shapes(shapes, "cuda")  # a shape the kernel refuses stops here, not after the rows before it
     rows = []
     for n in (int(x) for x in args.lens.split(",")):
         for name, launch in shapes:
@@ -107,6 +108,23 @@ def choose(rows: list[dict]) -> dict | None:
             best = (key, {**settings, "limit": limit, "shape": shape, "ms_near_300": near["ours_wall_ms"],
                           "stock_ms_near_300": near["stock_wall_ms"]})
     return best[1] if best else None
+
+
+def check_shapes(shapes: list[tuple[str, dict]], device: str) -> None:
+    """Launch our kernel once per shape on a tiny step (two decodes, a 40-token prompt); a shape
+    it refuses (a chunk it no longer offers, a walk of three warps) exits with its reason."""
+    import torch
+
+    from prefill_gate.kernels.gated_delta import gated_delta_recurrent
+    from tests.kernel_tests.test_gated_delta import make_step
+
+    step = make_step([1, 1, 40], H=2, HV=4, K=32, V=32, device=device)
+    indices = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+    for name, launch in shapes:
+        try:
+            gated_delta_recurrent(**step, state_indices=indices, **launch)
+        except ValueError as e:
+            raise SystemExit(f"--shapes: {name}: {e}") from None
 
 
 def launch_shape(text: str) -> tuple[str, dict]:
