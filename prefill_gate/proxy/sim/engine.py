@@ -220,7 +220,20 @@ class Engine:
         if self.config.enable_prefix_caching:
             req.block_hashes = block_hashes(req.prompt, self.config.block_size)
         self.waiting.append(req)
-        self._stall += (self.cost.arrival_per_id if token_ids else self.cost.arrival_per_token) * req.prompt_len
+        # A long prompt's arrival stall (``CostModel.arrival_per_token``) is fitted on stock vLLM,
+        # where the seed pair's stream shows one gap more than the prompt has chunks: on the H200's
+        # 8B, 32-59 ms before the first of four 8,192-token chunk steps (bench/results/h200/run1/
+        # direct-8192.json, bench/results/mixed/h200/run-0976992/pair-direct-3.json); on the 27B
+        # hybrid 146-153 ms before its chunk steps (bench/results/hybrid/h200/run-4031669/
+        # direct-2048*.json; with prefix caching 17 whole blocks and a last step of 1,944 tokens).
+        # The engine patches' paced runs show none: the 8B's stream kept its gaps at the paced
+        # step, 15-16 ms at most, through the arrival (bench/results/mixed/h200/pairs/
+        # pair-paced*.json, bench/results/graphs/h200/dense/pair-paced-graphs-*.json), and the
+        # hybrid paced at 1,568 tokens gave 19 gaps for its 19 chunks, the first 104 ms
+        # (run-4031669/paced-cap-1568.json; paced adaptively: 89 ms, paced-adaptive-60.json).
+        # So a paced engine (``pacing_cap``) is charged no arrival stall.
+        if not self.config.pacing_cap:
+            self._stall += (self.cost.arrival_per_id if token_ids else self.cost.arrival_per_token) * req.prompt_len
         if self._wakeup is not None:
             self._wakeup.set()
         return req
