@@ -28,10 +28,11 @@ here only when its prompt tokens are few. On the H200 that walk is ~1.8 us a tok
 a 300-token prompt's step over 48 layers (bench/results/gdn/h200/).
 
 With ``walk`` set, the prompts go in a second launch of their own shape (value rows and warps a
-program), each token's inputs loaded while the one before updates the state; the decodes keep
-the first launch and its shape. The shape decides how a token's two sums over the key columns
-compile (across warps: shared memory and barriers; within one: shuffles), which is most of the
-walk's time (bench/gdn_walks_aot.py counts it in the PTX).
+program), each token's inputs loaded while the one before updates the state and all of a
+token's sums over the key columns taken in one round (``_update_walk``: the prompts round
+differently); the decodes keep the first launch, its shape and its bits. The shape decides how
+those sums compile (across warps: shared memory and barriers; within one: shuffles), which is
+most of the walk's time (bench/gdn_walks_aot.py counts it in the PTX).
 
 With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
 program (``_chunk``): per chunk of C tokens a handful of matrix products and the in-chunk
