@@ -11,8 +11,8 @@ answers without shipping vLLM: from which prompt length each chunk beats the tok
 how much (vLLM's own path, ~1 ms a layer call on the H200 at any length, is `gdn_sweep.py`'s).
 `--walks`: the same token walk with the prompt in a launch of its own, R value rows and W warps a
 program (PREFILL_GATE_GDN_WALK; the decodes keep the default launch): the walk's time is its
-per-token latency, which the launch shape sets (`python -m prefill_gate.kernels.aot --gdn-walks`
-counts each shape's instructions a token). A step runs 48 such calls.
+per-token latency, which the launch shape sets (`python3 bench/gdn_walks_aot.py` counts each
+shape's instructions a token). A step runs 48 such calls.
 """
 
 from __future__ import annotations

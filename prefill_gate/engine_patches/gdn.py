@@ -104,14 +104,14 @@ def walk_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] |
     raw = (env.get(WALK_ENV) or "off").strip().lower()
     if raw == "off":
         return None
-    from prefill_gate.kernels.gated_delta import WARPS
+    from prefill_gate.kernels.gated_delta import WARPS, valid_walk
 
     rows, _, warps = raw.partition("x")
     try:
         walk = int(rows), int(warps)
     except ValueError:
         walk = None
-    if walk is None or not 1 <= walk[0] <= 128 or walk[0] & (walk[0] - 1) or walk[1] not in WARPS:
+    if walk is None or walk[0] > 128 or not valid_walk(walk):
         raise GdnRecurrentError(f"{WALK_ENV}={env.get(WALK_ENV)!r}: expected off or ROWSxWARPS, value rows a "
                                 f"program a power of two up to 128 and warps one of {', '.join(map(str, WARPS))} "
                                 "(e.g. 8x1)")

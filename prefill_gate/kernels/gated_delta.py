@@ -264,6 +264,12 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
     tl.store(p_state, h.to(state.dtype.element_ty), mask=mask_h)
 
 
+def valid_walk(walk: tuple[int, int]) -> bool:
+    """Is ``walk`` (value rows, warps) a launch shape for the prompts' own launch?"""
+    rows, warps = walk
+    return rows >= 1 and not rows & (rows - 1) and warps in WARPS
+
+
 def _rows(name: str, x: torch.Tensor, heads: int, dim: int) -> int:
     """The token stride of a [tokens, heads, dim] tensor whose heads and dims are packed
     (the conv output's split views are); raise for any other layout."""
@@ -345,7 +351,7 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
         walk_v, walk_warps = walk
         if chunk:
             raise ValueError("walk is the token walk's launch for prompts; with chunk, prompts go in chunks")
-        if walk_v < 1 or walk_v & (walk_v - 1) or walk_warps not in WARPS:
+        if not valid_walk(walk):
             raise ValueError(f"walk: value rows a power of two and warps one of {WARPS}, got {walk}")
         walk_v = min(triton.next_power_of_2(V), walk_v)
         launches = [(block_v, num_warps, ROWS_DECODES), (walk_v, walk_warps, ROWS_PROMPTS)]
