@@ -13,7 +13,8 @@ with a message naming the variable), points vLLM's CUSTOM attention slot at
 `prefill_gate.engine_patches.attention`, extends CUDA-graph capture sizes to the step budget
 when the paced scheduler is chosen (`graphs`: other vLLMs in the environment keep theirs),
 sends Gated DeltaNet layers' short-prompt steps through one recurrent launch when
-PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default), logs Python's collections
+PREFILL_GATE_GDN_RECURRENT asks for it (`gdn`, off by default) and then compiles, before serving,
+the kernels such a server would otherwise compile beside its first streams (`warmup`), logs Python's collections
 that hold the process past PREFILL_GATE_GC_LOG_MS (`stalls`: 20 ms where pacing is on) and logs
 what is active. The scheduler classes are chosen with `--scheduler-cls` and the backend with
 `--attention-backend CUSTOM`; pacing has an environment kill switch (PREFILL_GATE_PACING=off).
@@ -30,7 +31,7 @@ logger = logging.getLogger(LOGGER)
 
 
 def register() -> None:
-    from prefill_gate.engine_patches import _vllm, gdn, graphs, stalls  # _vllm: the version check
+    from prefill_gate.engine_patches import _vllm, gdn, graphs, stalls, warmup  # _vllm: the version check
     from prefill_gate.engine_patches.config import PacingConfig
     from prefill_gate.engine_patches.routing import mode_from_env
 
@@ -39,17 +40,21 @@ def register() -> None:
     graph_steps = graphs.mode_from_env()
     gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
     gc_log_s = stalls.threshold_from_env()
+    warm = warmup.enabled_from_env()
     say = lambda message: logger.info("prefill-gate %s", message)  # noqa: E731
     graphs.install(_vllm.VllmConfig, graph_steps, say)
     if gdn_limit or gdn.installed():  # vLLM's GDN layer modules load only where the patch is asked for
         internals = _vllm.gdn_internals()
         gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk)
+        if gdn_limit and warm:  # the kernels a GDN hybrid's service would otherwise compile in service
+            warmup.install(_vllm.warmup_internals(), internals, say,
+                           lambda message: logger.warning("prefill-gate %s", message))
     stalls.install(gc_log_s, logger)
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, gdn.ENV,
                 gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", gdn.WALK_ENV,
                 "x".join(map(str, gdn_walk)) if gdn_walk else "off", stalls.ENV,
-                f"{gc_log_s * 1e3:g}" if gc_log_s else "off")
+                f"{gc_log_s * 1e3:g}" if gc_log_s else "off", warmup.ENV, "on" if warm else "off")

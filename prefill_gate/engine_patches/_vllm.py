@@ -135,3 +135,14 @@ def gdn_internals():
     return SimpleNamespace(layer_cls=QwenGatedDeltaNetAttention, metadata_cls=GDNAttentionMetadata,
                            get_forward_context=get_forward_context, causal_conv1d_fn=causal_conv1d_fn,
                            is_conv_state_dim_first=is_conv_state_dim_first)
+
+
+def warmup_internals():
+    """vLLM's start-up kernel warm-up module and the mamba state copy it leaves cold, imported
+    on demand (only a server with the GDN patch on installs ``warmup``)."""
+    from types import SimpleNamespace
+
+    import vllm.model_executor.warmup.kernel_warmup as kernel_warmup
+    from vllm.v1.worker.mamba_utils import batch_memcpy
+
+    return SimpleNamespace(kernel_warmup=kernel_warmup, batch_memcpy=batch_memcpy)

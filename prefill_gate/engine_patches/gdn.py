@@ -134,10 +134,6 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, **laun
     """The layer's core for an eligible step: vLLM's convolution, then one recurrent launch
     for every sequence. ``vllm``: ``_vllm.gdn_internals()``; ``launch``: the kernel's launch
     shape and walk (``block_v``, ``stages``, ``chunk``; the kernel's defaults unless given)."""
-    from prefill_gate.kernels.gated_delta import MIN_DOT, gated_delta_recurrent
-
-    if launch.get("chunk") and min(layer.head_k_dim, layer.head_v_dim) < MIN_DOT:
-        launch = {**launch, "chunk": 0}  # heads too small for a matrix product's tile: token by token
     tokens = metadata.num_actual_tokens
     seqs = metadata.num_decodes + metadata.num_prefills
     conv_state = layer.kv_cache[0] if vllm.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
@@ -151,14 +147,44 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, **laun
     ).transpose(0, 1)
     if conv.stride(1) != 1:  # the conv writes channels-last for a dense input; a strided view may not be
         conv = conv.contiguous()
+    _recurrence(layer, conv, a[:tokens], b[:tokens], ssm_state, core_attn_out[:tokens],
+                metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
+                metadata.has_initial_state[:seqs], **launch)
+
+
+def _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, **launch) -> None:
+    """The recurrent launch over a step's convolved q, k, v (``conv``: [tokens, conv dim])."""
+    from prefill_gate.kernels.gated_delta import MIN_DOT, gated_delta_recurrent
+
+    if launch.get("chunk") and min(layer.head_k_dim, layer.head_v_dim) < MIN_DOT:
+        launch = {**launch, "chunk": 0}  # heads too small for a matrix product's tile: token by token
     key_dim = layer.key_dim // layer.tp_size
     q = conv[:, :key_dim].unflatten(1, (-1, layer.head_k_dim))
     k = conv[:, key_dim:2 * key_dim].unflatten(1, (-1, layer.head_k_dim))
     v = conv[:, 2 * key_dim:].unflatten(1, (-1, layer.head_v_dim))
-    gated_delta_recurrent(
-        q, k, v, _rows(a[:tokens]), _rows(b[:tokens]), layer.A_log, layer.dt_bias, ssm_state,
-        metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
-        metadata.has_initial_state[:seqs], out=core_attn_out[:tokens], **launch)
+    gated_delta_recurrent(q, k, v, _rows(a), _rows(b), layer.A_log, layer.dt_bias, ssm_state, starts, slots,
+                          has_initial, out=out, **launch)
+
+
+def warm_up(layer, **launch) -> None:
+    """Compile the recurrent kernel's launches for ``layer``'s shapes now, before any stream
+    waits on it (``launch``: as ``recurrent_core`` gets it). The GDN path runs only for steps
+    with a short prompt, which vLLM's own warm-up never makes, so without this the kernel
+    compiles at the first such step in service. One decode and one two-token prompt, both in
+    state slot 0, vLLM's null block: the kernel returns before it reads or writes any state.
+    The tensors have the dtypes, 16-byte alignment and divisibility of strides a real step's
+    have, which is what Triton keys its compilations on."""
+    import torch
+
+    weight, ssm_state = layer.conv1d.weight, layer.kv_cache[1]
+    device, dtype, heads = weight.device, weight.dtype, ssm_state.shape[1]
+    conv = torch.zeros(3, weight.size(0), dtype=dtype, device=device)
+    a, b = torch.zeros(3, heads, dtype=dtype, device=device), torch.zeros(3, heads, dtype=dtype, device=device)
+    out = torch.empty(3, heads, layer.head_v_dim, dtype=dtype, device=device)
+    starts = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    slots = torch.zeros(2, dtype=torch.int32, device=device)
+    has_initial = torch.zeros(2, dtype=torch.bool, device=device)
+    _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, **launch)
 
 
 def _rows(x):

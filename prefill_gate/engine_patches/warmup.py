@@ -1,0 +1,136 @@
+"""Kernels compiled while vLLM starts, not beside the first live streams.
+
+Triton compiles a kernel the first time it is launched with a new key (its constants, the
+dtypes, and whether each pointer and integer argument is a multiple of 16). vLLM warms the
+kernels it knows before it captures its CUDA graphs (``kernel_warmup``), so that none
+compiles while serving; on the report's model class three still did. On a fresh 27B hybrid
+server (H100, align-mode prefix caching; bench/results/hybrid/h100/run-acf2645/server-jit.txt)
+vLLM's own JIT monitor reported, during service:
+
+- ``_compute_slot_mapping_kernel`` at the first request: vLLM warms it for blocks of 3 and 16
+  tokens made of one kernel block each, and align mode's 1,568-token blocks of 16-token
+  kernel blocks are another key;
+- ``_gated_delta_kernel`` (``prefill_gate.kernels``) at the first short prompt: the GDN patch's
+  path runs only for steps with a short prompt, which vLLM's warm-up never makes;
+- ``batch_memcpy_kernel``, the recurrent state's copy into the next block's slot, the first time
+  a stream crossed a 1,568-token boundary: a new short prompt then cost 4 streams 401 ms
+  instead of the ~35 ms the same server's later prompts cost them.
+
+With the GDN patch on, this wraps vLLM's Qwen warm-up (``kernel_warmup.qwen_triton_warmup``,
+which vLLM calls for every model and which returns at once for models it does not know) so
+that, after vLLM's own, each of these is launched once with the keys the server will use:
+the slot mapping on the runner's own block tables with no request (its launch pads nothing),
+the state copy with nothing to copy, and our kernel on a step whose sequences all sit in the
+null state slot (it returns before touching any state). A warm-up that fails logs a warning
+and vLLM starts as it would have: the kernel then compiles in service, as before.
+
+    PREFILL_GATE_WARMUP   on    (default) as above, where the GDN patch is on
+                          off   vLLM's warm-up alone
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+
+ENV = "PREFILL_GATE_WARMUP"
+
+
+class WarmupError(ValueError):
+    """PREFILL_GATE_WARMUP holds a value the plugin cannot use."""
+
+
+def enabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV) or "on").strip().lower()
+    if raw not in ("on", "off"):
+        raise WarmupError(f"{ENV}={env.get(ENV)!r}: expected on or off")
+    return raw == "on"
+
+
+def slot_mapping(tables, device) -> int:
+    """Launch each token-slot block table's slot-mapping kernel with no request: its padding
+    program pads from the step's tokens to the table's maximum, here none. Returns the count."""
+    import torch
+
+    count = 0
+    for table in tables:
+        if str(getattr(table.slot_mapping_mode, "value", "")) != "token_to_kv_slot":
+            continue  # recurrent-state groups map no token slots (vLLM's call returns at once)
+        positions = torch.zeros(table.max_num_batched_tokens, dtype=torch.int64, device=device)
+        table.compute_slot_mapping(0, torch.zeros(1, dtype=torch.int32, device=device), positions)
+        count += 1
+    return count
+
+
+def state_copy(batch_memcpy, device) -> None:
+    """vLLM's batched state copy with one entry of zero bytes (its dtypes: uint64 addresses,
+    int32 sizes, as vLLM's copy buffers hold them)."""
+    import torch
+
+    batch_memcpy(torch.zeros(1, dtype=torch.uint64, device=device), torch.zeros(1, dtype=torch.uint64, device=device),
+                 torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def gdn_layers(static_forward_context, layer_cls) -> list:
+    """The GDN layers (``layer_cls``) that hold their state cache, one per distinct shape."""
+    seen, out = set(), []
+    for layer in (static_forward_context or {}).values():
+        if not isinstance(layer, layer_cls) or len(getattr(layer, "kv_cache", ()) or ()) < 2:
+            continue
+        key = (tuple(layer.conv1d.weight.shape), layer.conv1d.weight.dtype, tuple(layer.kv_cache[1].shape[1:]),
+               layer.kv_cache[1].stride(0))
+        if key not in seen:
+            seen.add(key)
+            out.append(layer)
+    return out
+
+
+def warm(runner, internals, gdn_internals, log: Callable[[str], None]) -> list[str]:
+    """Everything above for ``runner`` (vLLM's GPUModelRunner); the names of what was warmed."""
+    from prefill_gate.engine_patches import gdn
+
+    device = runner.device
+    layers = gdn_layers(getattr(runner.compilation_config, "static_forward_context", None), gdn_internals.layer_cls)
+    if not layers:
+        return []  # not a GDN hybrid: vLLM's warm-up covers it
+    done = []
+    tables = getattr(getattr(getattr(runner, "input_batch", None), "block_table", None), "block_tables", ())
+    if slot_mapping(tables, device):
+        done.append("_compute_slot_mapping_kernel")
+    state_copy(internals.batch_memcpy, device)
+    done.append("batch_memcpy_kernel")
+    settings = getattr(gdn_internals.layer_cls._forward_core, "prefill_gate_settings", None)
+    if settings and settings["limit"] > 0:
+        for layer in layers:
+            gdn.warm_up(layer, chunk=settings["chunk"], walk=settings["walk"])
+        done.append("_gated_delta_kernel")
+    return done
+
+
+def install(internals, gdn_internals, log: Callable[[str], None], warn: Callable[[str], None]) -> None:
+    """Wrap ``kernel_warmup.qwen_triton_warmup`` (once per process) so that ``warm`` follows it."""
+    module = internals.kernel_warmup
+    original = module.qwen_triton_warmup
+    if getattr(original, "prefill_gate_warmup", False):
+        return
+
+    @functools.wraps(original)
+    def qwen_triton_warmup(runner, model_config):
+        original(runner, model_config)
+        import torch
+
+        try:
+            with torch.inference_mode():
+                done = warm(runner, internals, gdn_internals, log)
+                if done and runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+        except Exception as exc:  # a warm-up must never stop vLLM: the kernel then compiles in service
+            warn(f"warm-up failed ({type(exc).__name__}: {exc}); those kernels compile at first use instead")
+            return
+        if done:
+            log(f"warmed up before serving ({ENV}): {', '.join(done)}")
+
+    qwen_triton_warmup.prefill_gate_warmup = True
+    module.qwen_triton_warmup = qwen_triton_warmup
