@@ -210,7 +210,7 @@ def test_the_base_paces_and_the_stock_overlay_does_not():
     engine patches off (pacing and the GDN path) and nothing else."""
     env = {e["name"]: e["value"] for e in containers(base())["vllm"]["env"]}
     assert env["PREFILL_GATE_PACING"] == "adaptive" and env["PREFILL_GATE_PACING_TARGET_ITL_MS"] == "15"
-    assert env["PREFILL_GATE_GDN_RECURRENT"] == "on"
+    assert env["PREFILL_GATE_GDN_RECURRENT"] == "on" and env["PREFILL_GATE_GDN_WALK"] == "8x1"
     assert json.loads(flag(containers(base())["vllm"]["args"], "--compilation-config")) == {"cudagraph_mode": "FULL"}
     a, b = containers(base()), containers(stock())
     env_b = {e["name"]: e["value"] for e in b["vllm"]["env"]}
