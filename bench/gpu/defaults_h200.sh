@@ -31,7 +31,7 @@
 # compilation config), rows direct and stack, parts short, pair and steady (8 users, a 20k prompt
 # every ~10 s, 90 s), judged by `--checks hybrid`. The paced server as the stack would run it on
 # that class: adaptive pacing at TARGET_MS, below the align block (SUB_BLOCK=1), the GDN path
-# (GDN_LIMIT, default on; GDN_CHUNK and GDN_WALK, default off: take all three from gdn_h200.sh's kernel stage,
+# (GDN_LIMIT, default on; GDN_CHUNK, default off; GDN_WALK, default 8x1 as the stack ships it; or all three from gdn_h200.sh's kernel stage,
 # `python3 bench/gpu/gdn_sweep.py --choice --json .../sweep.json`). TARGET_MS 44, from the H200's
 # numbers: a step there was first estimated at ~22 ms of decode and host floor plus ~0.1 ms a prompt
 # token with chunks (0.18 token by token), so a step of T ms carries (T - 22) / 0.1 tokens and the
@@ -69,7 +69,7 @@ case $CLASS in
                  --max-num-batched-tokens 2048)
     PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off}
-               PREFILL_GATE_GDN_WALK=${GDN_WALK:-off} ${PACED_EXTRA_ENV:-})
+               PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} ${PACED_EXTRA_ENV:-})
     PACED_ARGS=()
     # the paced simulator as the stack: graphs to 512 and the GDN path (its own preset), steps of the
     # 320 tokens its model fits in 44 ms (14.1 + 1 + 0.09 a token), as adaptive pacing at TARGET_MS would
