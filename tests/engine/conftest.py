@@ -43,3 +43,17 @@ def _no_gc_watch_left():
     from prefill_gate.engine_patches import stalls
 
     stalls.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _no_warmup_wrapper_left():
+    """register() with the GDN patch on wraps vLLM's Qwen warm-up (`warmup`); a test's wrapper
+    ends with it, so the next test's register() starts from vLLM's own."""
+    yield
+    import sys
+
+    module = sys.modules.get("vllm.model_executor.warmup.kernel_warmup")
+    fn = getattr(module, "qwen_triton_warmup", None)
+    while getattr(fn, "prefill_gate_warmup", False):
+        fn = fn.__wrapped__
+        module.qwen_triton_warmup = fn
