@@ -1,7 +1,7 @@
 """Kernels compiled while vLLM starts, not beside the first live streams.
 
 Triton compiles a kernel the first time it is launched with a new key (its constants, the
-dtypes, and whether each pointer and integer argument is a multiple of 16). vLLM warms the
+dtypes, whether each pointer and integer argument is a multiple of 16, and each integer's being 1). vLLM warms the
 kernels it knows before it captures its CUDA graphs (``kernel_warmup``), so that none
 compiles while serving; on the report's model class three still did. On a fresh 27B hybrid
 server (H100, align-mode prefix caching; bench/results/hybrid/h100/run-acf2645/server-jit.txt)
