@@ -87,7 +87,7 @@ def gdn_layers(static_forward_context, layer_cls) -> list:
     return out
 
 
-def warm(runner, internals, gdn_internals, log: Callable[[str], None]) -> list[str]:
+def warm(runner, internals, gdn_internals) -> list[str]:
     """Everything above for ``runner`` (vLLM's GPUModelRunner); the names of what was warmed."""
     from prefill_gate.engine_patches import gdn
 
@@ -123,7 +123,7 @@ def install(internals, gdn_internals, log: Callable[[str], None], warn: Callable
 
         try:
             with torch.inference_mode():
-                done = warm(runner, internals, gdn_internals, log)
+                done = warm(runner, internals, gdn_internals)
                 if done and runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
         except Exception as exc:  # a warm-up must never stop vLLM: the kernel then compiles in service
