@@ -27,8 +27,9 @@ and decode-only steps take vLLM's path unchanged.
                                       it: matrix products a chunk instead of a dependent
                                       update a token (``gated_delta_recurrent(chunk=...)``);
                                       off unless asked: on an H100, chunks of 16 ran 0.73-0.75x
-                                      the walk's time at 300-512 tokens, but its decodes'
-                                      bits differ from vLLM's (bench/results/gdn/h100/)
+                                      the one launch's time at 300-512 tokens, the walk at 8x1
+                                      0.53-0.63x (bench/results/gdn/h100/); the decodes keep
+                                      a launch of their own, as with a walk
 
     PREFILL_GATE_GDN_WALK       off   decodes and prompts in one launch, 32 value rows and 4
                                       warps a program (the shape whose decodes matched vLLM's

@@ -37,8 +37,11 @@ most of the walk's time (bench/gdn_walks_aot.py counts it in the PTX).
 With ``chunk`` set, a prompt instead goes through the chunked form of the rule inside the same
 program (``_chunk``): per chunk of C tokens a handful of matrix products and the in-chunk
 system solved by blocked substitution (15 small products, and two more to merge two blocks for
-chunks of 32), so a prompt costs n / C dependent rounds instead of n. Decodes
-and prompts shorter than a chunk keep the token path and its bits.
+chunks of 32), so a prompt costs n / C dependent rounds instead of n. The prompts go in a launch of
+their own (16 value rows and 8 warps a program by default), those shorter than a chunk token by
+token; the decodes keep the walk's decode launch, its compiled loop and its bits (in the chunks'
+launch, chunks of 16 changed the decodes' last bits on an H100: CHUNK is a constant of the
+program, and the decode loop compiled differently beside it).
 
 Semantics are ``prefill_gate.kernels.reference.gated_delta_ref``'s (the executable
 specification), and the decode's arithmetic is vLLM's own recurrent kernel's (float32 state,
@@ -243,7 +246,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
         for t0 in tl.range(bos, eos, CHUNK, num_stages=STAGES):
             h = _chunk(h, q, k, v, a, b, o, t0, eos, stride_q, stride_k, stride_v, stride_a, stride_b, stride_o,
                        i_h, i_hv, o_k, o_v, mask_k, mask_v, decay, bias, scale, K, V, CHUNK, SUB, PRECISION)
-    elif ROWS == ROWS_PROMPTS:  # the prompts' own launch: token t + 1's inputs load while t updates the tile
+    elif ROWS == ROWS_PROMPTS and CHUNK == 0:  # the prompts' walk: token t + 1's inputs load while t updates
         n_q, n_k, n_v, n_a, n_b = _inputs(q, k, v, a, b, bos, stride_q, stride_k, stride_v, stride_a, stride_b,
                                           i_h, i_hv, o_k, o_v, mask_k, mask_v, K, V)
         for t in tl.range(bos, eos):
@@ -253,7 +256,7 @@ def _gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, o, state, cu_seqlens, sta
                                               K, V)
             h, b_o = _update_walk(h, c_q, c_k, c_v, c_a, c_b, decay, bias, scale)
             tl.store(o + t * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-    else:  # decodes (and prompts shorter than a chunk): token by token, vLLM's decode arithmetic
+    else:  # decodes (and in the chunks' launch, prompts shorter than a chunk): vLLM's decode arithmetic
         # STAGES asks Triton's software pipeliner for the next tokens' loads; Triton 3.6 leaves this
         # loop as it is (the same PTX for 1-3 stages on sm_90; its pipeliner takes loads it can copy
         # asynchronously into shared memory). The prompts' own launch (above) loads ahead by hand.
@@ -301,11 +304,13 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     block_v, stages, num_warps    launch shape: value rows of the state per program (a power
                                   of two), software-pipeline depth of the token loop (1: none)
                                   and warps a program; the numerics do not depend on them.
-                                  Default: 32 rows and 4 warps, 16 and 8 with chunks
+                                  Default: 32 rows and 4 warps; with chunks, the prompts'
+                                  launch, 16 and 8 (the decodes' then 32 and 4)
     chunk                         0: every token in turn (a decode's arithmetic); a power of
                                   two >= 16: a sequence of at least that many tokens (a prompt)
                                   goes in chunks of it, the chunked form of the rule with
-                                  matrix products (``_chunk``); shorter ones token by token
+                                  matrix products (``_chunk``), in a launch of its own;
+                                  shorter ones token by token, decodes in the default launch
     precision                     the chunks' matrix products: Triton's ``input_precision``
                                   ("tf32" on tensor cores, "tf32x3", "ieee")
     walk                          (value rows, warps) a program for the prompts, token by
@@ -346,7 +351,14 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                          f"block_v {block_v}, K {K}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    launches = [(block_v, num_warps, ROWS_ALL)]
+    launches = [(block_v, num_warps, ROWS_ALL, chunk)]
+    if chunk:
+        # The decodes in a launch of their own, the walk's decode launch: the same compiled loop as
+        # without chunks. In the chunks' launch their loop compiled differently on an H100 (CHUNK
+        # is a constant of the program): chunks of 16 changed the decodes' last bits, and so the
+        # states every later step reads (bench/results/gdn/h100/run-b953a47/decode-bits-*.json).
+        launches = [(min(triton.next_power_of_2(V), BLOCK_V), 4, ROWS_DECODES, 0),
+                    (block_v, num_warps, ROWS_PROMPTS, chunk)]
     if walk is not None:
         walk_v, walk_warps = walk
         if chunk:
@@ -354,14 +366,14 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
         if not valid_walk(walk):
             raise ValueError(f"walk: value rows a power of two and warps one of {WARPS}, got {walk}")
         walk_v = min(triton.next_power_of_2(V), walk_v)
-        launches = [(block_v, num_warps, ROWS_DECODES), (walk_v, walk_warps, ROWS_PROMPTS)]
+        launches = [(block_v, num_warps, ROWS_DECODES, 0), (walk_v, walk_warps, ROWS_PROMPTS, 0)]
     args = (q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
             has_initial if has_initial is not None else state_indices,
             *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
             K ** -0.5 if scale is None else scale)
-    for rows_v, warps, rows in launches:
+    for rows_v, warps, rows, launch_chunk in launches:
         _gated_delta_kernel[(triton.cdiv(V, rows_v), n * HV)](
             *args, H=H, HV=HV, K=K, V=V, BK=block_k, BV=rows_v, MASK_INITIAL=has_initial is not None,
-            STAGES=stages, CHUNK=chunk, SUB=min(chunk, SUB_BLOCK) if chunk else 1, PRECISION=precision,
-            ROWS=rows.value, num_warps=warps)
+            STAGES=stages, CHUNK=launch_chunk, SUB=min(launch_chunk, SUB_BLOCK) if launch_chunk else 1,
+            PRECISION=precision, ROWS=rows.value, num_warps=warps)
     return out

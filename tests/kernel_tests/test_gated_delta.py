@@ -137,7 +137,8 @@ def test_prompts_in_chunks_match_the_specification(chunk):
     assert torch.allclose(state.double(), ref_state, atol=1e-5, rtol=1e-5)
     assert (out[-3:] == 7.0).all() and torch.equal(state[0], step["state"][0])  # the padding entry: untouched
 
-    # Sequences shorter than a chunk take the token path: the same bits as without chunks.
+    # Sequences shorter than a chunk take the token path: the same arithmetic as without chunks
+    # (the same bits here; on a GPU the decodes' launch is the one without chunks, above).
     plain_state = step["state"].clone()
     plain = gated_delta_recurrent(**{**step, "state": plain_state}, state_indices=indices, has_initial=has_initial,
                                   block_v=16)
@@ -145,6 +146,34 @@ def test_prompts_in_chunks_match_the_specification(chunk):
     rows = torch.cat([torch.arange(int(step["cu_seqlens"][n]), int(step["cu_seqlens"][n + 1])) for n in short])
     assert torch.equal(out[rows], plain[rows])
     assert torch.equal(state[indices[short].long()], plain_state[indices[short].long()])
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_with_chunks_the_decodes_keep_their_own_launch(monkeypatch, chunk):
+    """On an H100 the chunks' program gave decodes other last bits than vLLM's (the token loop
+    compiled differently beside CHUNK); the walk's decode launch gave vLLM's. With chunks the
+    decodes must run in exactly that launch (grid, constants, warps: the same compiled program),
+    and the chunks' launch must take no decode."""
+    from prefill_gate.kernels import gated_delta
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append((grid, constants))
+
+    monkeypatch.setattr(gated_delta, "_gated_delta_kernel", Recorder())
+    step = make_step([1, 40, 1, 3], K=32, V=32)
+    indices = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    gated_delta_recurrent(**step, state_indices=indices, walk=(8, 1))
+    walked = list(launches)
+    launches.clear()
+    gated_delta_recurrent(**step, state_indices=indices, chunk=chunk)
+    decodes = [launch for launch in launches if launch[1]["ROWS"] != gated_delta.ROWS_PROMPTS.value]
+    walk_decodes = [launch for launch in walked if launch[1]["ROWS"] == gated_delta.ROWS_DECODES.value]
+    assert len(walk_decodes) == 1 and decodes == walk_decodes
+    chunks = [constants for _, constants in launches if constants["CHUNK"]]
+    assert [c["ROWS"] for c in chunks] == [gated_delta.ROWS_PROMPTS.value] and chunks[0]["CHUNK"] == chunk
 
 
 @pytest.mark.parametrize("chunk,walk", [(16, None), (32, None), (0, (8, 1))])
