@@ -32,7 +32,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from prefill_gate.kernels.gated_delta import BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS, SUB_BLOCK, _gated_delta_kernel
+from prefill_gate.kernels.gated_delta import (BLOCK_V, CHUNK_BLOCK_V, CHUNK_WARPS, ROWS_ALL, ROWS_PROMPTS, SUB_BLOCK,
+                                             _gated_delta_kernel)
 from prefill_gate.kernels.paged_attention import MERGE_ROWS, ROWS, _merge_splits, _tile_attention, launch_config
 
 PTR_ARGS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
@@ -126,11 +127,13 @@ def gated_delta_report(arch: int, dtype: str = "bf16", head_dim: int = 128, stag
     """The recurrence at the 27B hybrid's head sizes (16 key and 48 value heads), float32 state;
     ``stages`` > 1: its token loop software-pipelined (reported as ``split``); ``chunk``: prompts
     in chunks (tf32 matrix products where the target has them; Triton falls back to float32 FMAs
-    on sm_70)."""
+    on sm_70), in the prompts' launch as ``gated_delta_recurrent`` makes it (its decodes run in
+    the token walk's)."""
     ptx = _gated_delta_ptx(arch, dtype, num_warps, {
         "H": 16, "HV": 48, "K": head_dim, "V": head_dim, "BK": triton.next_power_of_2(head_dim),
         "BV": min(triton.next_power_of_2(head_dim), block_v), "MASK_INITIAL": True, "STAGES": stages, "CHUNK": chunk,
-        "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32", "ROWS": 0})
+        "SUB": min(chunk, SUB_BLOCK) if chunk else 1, "PRECISION": "tf32",
+        "ROWS": (ROWS_PROMPTS if chunk else ROWS_ALL).value})
     return Report(_gated_delta_kernel.__name__, num_warps, arch, dtype, head_dim, stages > 1, **_ptxas(ptx, arch),
                   chunk=chunk)
 
@@ -189,8 +192,6 @@ def walk_report(arch: int, rows: int = BLOCK_V, warps: int = 4, dtype: str = "bf
     PREFILL_GATE_GDN_WALK): ptxas' registers and spills and the token loop's counts
     (``token_loop``); ``warp_instructions_a_token``: programs x warps x loop instructions for one
     prompt of the 27B's layer (48 value heads of 128), the issue work a token asks of the GPU."""
-    from prefill_gate.kernels.gated_delta import ROWS_ALL, ROWS_PROMPTS
-
     sizes = HYBRID_27B
     ptx = _gated_delta_ptx(arch, dtype, warps, {
         **sizes, "BK": triton.next_power_of_2(sizes["K"]), "BV": rows, "MASK_INITIAL": True, "STAGES": 1, "CHUNK": 0,
