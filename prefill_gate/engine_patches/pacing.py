@@ -237,7 +237,17 @@ class _PacingMixin:
     def _log_pacing(self) -> None:
         config = self.pacer.config
         piecewise = self.vllm_config.compilation_config.cudagraph_mode.mixed_mode() == _vllm.CUDAGraphMode.PIECEWISE
-        if config.mode == "adaptive" and self._graph_sizes and piecewise:
+        if config.mode == "adaptive" and self._graph_sizes and piecewise and self.has_mamba_layers:
+            # vLLM 0.26's Mamba and GDN metadata builders take full graphs for uniform batches
+            # only, and it resolves FULL to FULL_AND_PIECEWISE for them: advice to ask for FULL
+            # would change nothing here.
+            logger.warning(
+                "prefill-gate adaptive pacing on a model with recurrent (Mamba or Gated DeltaNet) "
+                "layers: vLLM graphs their steps whole only where every request decodes, so mixed "
+                "steps replay piecewise whatever cudagraph_mode asks; their time follows the host "
+                "CPU and a step can pass the target (docs/results/hybrid.md)"
+            )
+        elif config.mode == "adaptive" and self._graph_sizes and piecewise:
             logger.warning(
                 "prefill-gate adaptive pacing with piecewise CUDA graphs for mixed steps: their "
                 "attention runs outside the graphs and their time follows the host CPU, which the "

@@ -300,6 +300,18 @@ def test_adaptive_on_piecewise_mixed_steps_says_to_use_full_graphs(graphs, warne
     assert ("cudagraph_mode" in caplog.text) == warned
 
 
+@pytest.mark.parametrize("graphs", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_adaptive_on_a_hybrid_says_what_it_is_without_asking_for_full_graphs(graphs, tiny_model, pacing_env,
+                                                                              caplog):
+    """On a model with Mamba or GDN layers vLLM turns FULL into FULL_AND_PIECEWISE (their
+    builders graph uniform batches only), so the warning must not send the user there."""
+    pacing_env("adaptive", target_itl_ms=44)
+    with caplog.at_level(logging.WARNING, logger="vllm.prefill_gate"):
+        build(PacedScheduler, tiny_model, graph_sizes=DEFAULT_GRAPH_SIZES, graph_mode=graphs, hybrid_align=True,
+              block_size=64, enable_prefix_caching=True)
+    assert "recurrent (Mamba or Gated DeltaNet) layers" in caplog.text and "cudagraph_mode\":" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "mode, eager, expected",
     [("FULL_AND_PIECEWISE", False, (8, 16, 256)), ("FULL", False, (8, 16, 256)),
