@@ -122,7 +122,7 @@ def test_the_defaults_on_the_simulator(tmp_path):
     plan = Plan(steady=MixedShape(users=6, long_every=3.0, duration=15.0, baseline_duration=4.0, long_alone_runs=1),
                 sparse=MixedShape(users=3, think=2.0, long_every=3.0, duration=12.0, baseline_duration=3.0,
                                   long_alone_runs=1),
-                pair=Shape(), pair_runs=1)
+                pair=Shape(), pair_runs=2)
     work = Path(tmp_path)
     with Service("sim", name="stock") as stock, Service("sim", "--pacing-cap", "256", name="paced") as paced:
         Runner(stock.url, paced.url, work, plan, None, [], progress=False).run(
@@ -130,6 +130,7 @@ def test_the_defaults_on_the_simulator(tmp_path):
     results = collect(work)
     assert {row: set(parts) for row, parts in results.items()} == {
         row: {"pair", "sparse", "steady"} for row in ("direct", "proxy", "stack")}
+    assert all([r["run"] for r in results[row]["pair"]["raw"]] == [1, 2] for row in results)  # every run's timeline
     logs = {row: (work / f"proxy-{row}.log").read_text() for row in ("proxy", "stack")}
     assert "large prefills are sliced while streams decode there" in logs["proxy"]
     assert "large prefills are paced while streams decode there" in logs["stack"]  # found on its /metrics
@@ -167,6 +168,7 @@ def test_the_pair_through_a_new_proxy_each_run(tmp_path):
                None, [], progress=False).run(["proxy"], ["pair"])
     result = collect(tmp_path)["proxy"]["pair"]
     assert result["fresh_proxy"] is True and result["runs"] == 2 and len(result["per_run"]) == 2
+    assert [r["run"] for r in result["raw"]] == [1, 2] and all(r["b"]["tokens"] for r in result["raw"])  # each timeline
     assert result["spread"]["a_ttft_s"] == [min(r["a_ttft_s"] for r in result["per_run"]),
                                             max(r["a_ttft_s"] for r in result["per_run"])]
     logs = sorted(p.name for p in tmp_path.glob("proxy-proxy*.log"))

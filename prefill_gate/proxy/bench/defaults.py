@@ -228,8 +228,9 @@ class Runner:
                 self.say(f"{row}: pair run {k + 1} of {p.pair_runs} -> a new proxy, {proxy.url}")
                 runs.append(asyncio.run(run_overlap(proxy.url, self.model, p.pair, runs=1, progress=self.progress)))
         first = {k: v for k, v in runs[0].items() if k not in (*KEYS, "spread", "per_run")}
+        raw = [{**r["raw"][0], "run": k + 1} for k, r in enumerate(runs)]  # every run's timeline
         result = over_runs([r["per_run"][0] for r in runs], **{**first, "runs": len(runs), "fresh_proxy": True,
-                                                              "seeds": [r["seed"] for r in runs]})
+                                                              "seeds": [r["seed"] for r in runs], "raw": raw})
         write_json(self.path(row, "pair"), {"row": row, "part": "pair", "result": result, **environment()})
 
     def _expect_mode(self, row: str, url: str, engine: str) -> None:
@@ -257,8 +258,9 @@ class Runner:
                 return
             self.say(f"{row}: {part} -> {url}")
             if part == "pair":
+                # every run's timeline stays (the plot draws the first): a bound a run misses is
+                # diagnosed from its own tokens
                 result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
-                result["raw"] = result["raw"][:1]  # the first run's tokens: its timeline, for the plot
             elif part == "short":
                 result = asyncio.run(run_short(url, self.model, p.short, p.seed, progress=self.progress))
             else:
