@@ -58,19 +58,29 @@ def json_patch(doc: dict, ops: list[dict]) -> dict:
     return doc
 
 
-def stock() -> list[dict]:
-    overlay = yaml.safe_load((K8S / "overlays" / "stock" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../../base"]
+def overlay(name: str) -> list[dict]:
+    """The base with ``overlays/<name>``'s JSON patches applied, as kustomize would."""
+    folder = K8S / "overlays" / name
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../base"]
     docs = base()
-    for patch in overlay["patches"]:
-        ops = json.loads((K8S / "overlays" / "stock" / patch["path"]).read_text())
+    for patch in kustomization["patches"]:
+        ops = json.loads((folder / patch["path"]).read_text())
         target = patch["target"]
         docs = [json_patch(d, ops) if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"]) else d
                 for d in docs]
     return docs
 
 
-@pytest.mark.parametrize("variant", [base, stock])
+def stock() -> list[dict]:
+    return overlay("stock")
+
+
+def hybrid() -> list[dict]:
+    return overlay("hybrid")
+
+
+@pytest.mark.parametrize("variant", [base, stock, hybrid])
 def test_every_manifest_validates_strictly(variant):
     docs = variant()
     assert {d["kind"] for d in docs} == {"Deployment", "Service"}
@@ -96,7 +106,7 @@ def flag(args: list[str], name: str) -> str | None:
     return next((a.split("=", 1)[1] for a in args if a.startswith(name + "=")), None)
 
 
-@pytest.mark.parametrize("variant", [base, stock])
+@pytest.mark.parametrize("variant", [base, stock, hybrid])
 def test_the_sidecar_matches_the_vllm_beside_it(variant):
     docs = variant()
     c = containers(docs)
@@ -216,3 +226,18 @@ def test_the_base_paces_and_the_stock_overlay_does_not():
     env_b = {e["name"]: e["value"] for e in b["vllm"]["env"]}
     assert env_b == {**env, "PREFILL_GATE_PACING": "off", "PREFILL_GATE_GDN_RECURRENT": "off"}
     assert a["vllm"]["args"] == b["vllm"]["args"] and a["prefill-gate"] == b["prefill-gate"]
+
+
+def test_the_hybrid_overlay_serves_a_hybrid_as_measured():
+    """overlays/hybrid: the base's stack with the hybrid's pacing (44 ms, below the align block)
+    and vLLM flags (docs/results/hybrid.md), as deploy/hybrid.env gives compose; nothing else."""
+    a, h = containers(base()), containers(hybrid())
+    env_a = {e["name"]: e["value"] for e in a["vllm"]["env"]}
+    env_h = {e["name"]: e["value"] for e in h["vllm"]["env"]}
+    assert env_h == {**env_a, "PREFILL_GATE_PACING_TARGET_ITL_MS": "44", "PREFILL_GATE_PACING_SUB_BLOCK": "1"}
+    args = h["vllm"]["args"]
+    assert json.loads(flag(args, "--compilation-config")) == {}
+    assert flag(args, "--max-num-batched-tokens") == "2048" and flag(args, "--max-num-seqs") == "64"
+    assert "--enable-prefix-caching" in args and len(args) == len(a["vllm"]["args"]) + 3
+    assert flag(args, "--scheduler-cls") == flag(a["vllm"]["args"], "--scheduler-cls")
+    assert h["prefill-gate"] == a["prefill-gate"]

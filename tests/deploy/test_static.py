@@ -58,6 +58,22 @@ def test_compose_resolves_settings_from_env_file():
             assert "healthcheck" in service or "build" in service, name
 
 
+def test_the_hybrid_env_file_serves_a_hybrid_as_measured():
+    """``--env-file .env --env-file deploy/hybrid.env``: .env's stack with the hybrid's pacing and
+    vLLM flags (docs/results/hybrid.md), the GDN path as .env has it, the proxy unchanged."""
+    result = compose("--env-file", ".env", "--env-file", "deploy/hybrid.env", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    vllm = config["services"]["vllm"]
+    env, command = vllm["environment"], vllm["command"]
+    assert (env["PREFILL_GATE_PACING"], env["PREFILL_GATE_PACING_TARGET_ITL_MS"], env["PREFILL_GATE_PACING_SUB_BLOCK"],
+            env["PREFILL_GATE_GDN_RECURRENT"], env["PREFILL_GATE_GDN_WALK"]) == ("adaptive", "44", "1", "on", "8x1")
+    assert command[command.index("--max-num-batched-tokens") + 1] == "2048" and "--enable-prefix-caching" in command
+    assert command[command.index("--scheduler-cls") + 1] == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
+    assert json.loads(command[command.index("--compilation-config") + 1]) == {}
+    assert config["services"]["proxy"]["environment"]["PREFILL_GATE_SLICING"] == "auto"
+
+
 def test_every_prefill_gate_setting_in_env_reaches_the_proxy(tmp_path):
     """.env is the proxy's env_file: a setting compose does not map by name (the closed loop's
     PREFILL_GATE_ITL_SLO_MS) still reaches the container."""
