@@ -236,3 +236,27 @@ def test_slices_settle_under_the_eager_steps_that_stall_streams():
         sizes = [int(n) for n in re.search(r"slice tokens \[([^\]]*)\]", later).group(1).split(",")]
         assert max(sizes) <= ceiling and sum(sizes) == 28_592, later
         assert sum(n <= 256 for n in sizes[:-1]) <= 5, later  # the largest size under it, not the floor
+
+
+@pytest.mark.slow
+def test_the_hybrid_stack_on_its_simulator(tmp_path):
+    """The report's model class, CI-sized: the stock hybrid (align-mode blocks of 1,568 tokens,
+    2,048-token chunks, short prompts' steps outside the graphs) against the stack's (graphs to
+    512 and the GDN path, paced below the block) as `CLASS=hybrid DRY_RUN=1 defaults_h200.sh`
+    serves them. A stack whose pacing stepped in whole blocks, or whose proxy held or sliced in
+    front of the paced engine, leaves the stream its ~150-300 ms block steps and fails here."""
+    from prefill_gate.proxy.bench.services import Service
+
+    plan = Plan(pair=Shape(), pair_runs=1, short=ShortShape(streams=2, every_s=0.8, duration_s=6.0, warmup_s=1.0))
+    stock_args = ("--preset", "h200-27b-hybrid")
+    paced_args = ("--preset", "h200-27b-hybrid-stack", "--pacing-cap", "320", "--pacing-sub-block")
+    with Service("sim", *stock_args, name="stock") as stock, Service("sim", *paced_args, name="paced") as paced:
+        Runner(stock.url, paced.url, tmp_path, plan, None, [], progress=False).run(["direct", "stack"],
+                                                                                  ["short", "pair"])
+    results = collect(tmp_path)
+    assert "large prefills are paced while streams decode there" in (tmp_path / "proxy-stack.log").read_text()
+    f = {row: figures(row, results[row], results["direct"]) for row in results}
+    assert f["direct"]["b_max_ms"] > 150, f["direct"]  # whole blocks next to the stream
+    assert f["stack"]["b_max_ms"] < f["direct"]["b_max_ms"] / 2, f
+    assert f["stack"]["a_x"] < 2.0, f["stack"]  # paced, not held
+    assert f["stack"]["short_cost_ms_p50"] < f["direct"]["short_cost_ms_p50"] / 1.5, f
