@@ -22,7 +22,9 @@ that, after vLLM's own, each of these is launched once with the keys the server 
 the slot mapping on the runner's own block tables with no request (its launch pads nothing),
 the state copy with nothing to copy, and our kernel on a step whose sequences all sit in the
 null state slot (it returns before touching any state). A warm-up that fails logs a warning
-and vLLM starts as it would have: the kernel then compiles in service, as before.
+and vLLM starts as it would have: the kernel then compiles in service, as before. Measured
+since on a fresh server of the same model and card (bench/results/hybrid/h100/run-ad481ac/):
+the JIT monitor reported nothing in service, where the stock server beside it reported two.
 
     PREFILL_GATE_WARMUP   on    (default) as above, where the GDN patch is on
                           off   vLLM's warm-up alone
