@@ -43,9 +43,11 @@
 #   source .gpu/device_setup.sh setup && CLASS=hybrid DEADLINE=400 bash bench/gpu/defaults_h200.sh "$OUT"
 #   (GDN_CHUNK, GDN_LIMIT and GDN_WALK from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
+#   SUBBLOCK=1: after the rows, sub-block pacing's answers on the paced server (below).
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
+CONTROL_NAME=""  # the paced server's control file, in WORK (CLASS=hybrid)
 source bench/gpu/lib.sh  # (its functions read RES and the rest when called, below)
 case $CLASS in
   dense)
@@ -70,6 +72,9 @@ case $CLASS in
     PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off}
                PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} ${PACED_EXTRA_ENV:-})
+    # A control file the server layers over these (absent or empty: these), in WORK: SUBBLOCK=1
+    # below checks sub-block pacing's answers on this same server, which then gets these back.
+    CONTROL_NAME=control.env
     PACED_ARGS=()
     # the paced simulator as the stack: graphs to 512 and the GDN path (its own preset), steps of the
     # 320 tokens its model fits in 44 ms (14.1 + 1 + 0.09 a token), as adaptive pacing at TARGET_MS would
@@ -103,6 +108,8 @@ export PREFILL_GATE_GC_LOG_MS=${PREFILL_GATE_GC_LOG_MS:-20}
 # beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
 # came after the step); OUT gets it compressed. A diagnosis: a line written a step.
 [ "${TRACE:-0}" = 1 ] && PACED_ENV+=(PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl)
+CONTROL_FILE=""
+if [ -n "$CONTROL_NAME" ]; then CONTROL_FILE=$RES/$CONTROL_NAME; PACED_ENV+=(PREFILL_GATE_PACING_CONTROL_FILE=$CONTROL_FILE); fi
 # The stock server only for the rows that use it (ROWS=stack needs the paced one alone).
 SERVERS=paced
 case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac
@@ -182,6 +189,15 @@ python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced
   --sparse-duration "$SPARSE_DURATION" --short-duration "${SHORT_DURATION:-45}" --pair-runs "$PAIR_RUNS" $FRESH \
   --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
+# SUBBLOCK=1 (CLASS=hybrid): PREFILL_GATE_PACING_SUB_BLOCK's answers on the paced server, after the
+# rows: the same prompts paced in whole blocks and below them next to a stream, and a prefix-cache
+# hit after (bench/gpu/sub_block_compare.py; it leaves the control file empty, the server's own
+# settings). On an H100, the only way: gdn_h200.sh's subblock stage wants two 27B servers.
+if [ "${SUBBLOCK:-0}" = 1 ] && [ -n "$CONTROL_FILE" ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
+  say "sub-block pacing's answers on the paced server"
+  python3 bench/gpu/sub_block_compare.py "http://127.0.0.1:$PACED" --control "$CONTROL_FILE" \
+    --json "$RES/subblock.json" 2>&1 | tail -4
+fi
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the

@@ -10,7 +10,10 @@ allowed), and `sub`, cap 256 with SUB_BLOCK=1 (A's chunks end inside blocks). A 
 `cache_salt` keeps one mode's blocks from serving the other. A state slot read or cached wrong
 shows as answers that part at once; rounding (chunk boundaries move) may part them late, on
 random weights where near ties are common. Recorded per mode: A's and C's greedy token ids, C's
-cached prompt tokens (>= 2 blocks when the hit happened), B's gaps while A prefilled.
+cached prompt tokens (>= 2 blocks when the hit happened), B's gaps while A prefilled. When it
+ends, however it ends, the control file is left empty: the server's own settings again (the
+scheduler layers the file over its environment), so a server started for other rows, as
+`CLASS=hybrid SUBBLOCK=1 bench/gpu/defaults_h200.sh` starts it, serves them as before.
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ async def scenario(url: str, mode: str, a_text: str, c_text: str) -> dict:
         "n": len(gaps), "p50": sorted(gaps)[len(gaps) // 2] if gaps else None, "max": max(gaps, default=None)}}
 
 
+def write_control(path: str, text: str) -> None:
+    """Replace the control file at once (the scheduler polls it and must never read half)."""
+    Path(path + ".tmp").write_text(text)
+    Path(path + ".tmp").replace(path)
+
+
 def parts_at(x: list | None, y: list | None) -> int | None:
     if x is None or y is None:
         return None
@@ -101,14 +110,17 @@ def main() -> int:
     url = args.url.rstrip("/")
     a_text, c_text = texts(args.block)
     runs = {}
-    for mode, control in MODES.items():
-        Path(args.control + ".tmp").write_text(control.format(block=args.block))
-        Path(args.control + ".tmp").replace(args.control)
-        time.sleep(1.0)  # the scheduler polls the file every 0.2 s
-        runs[mode] = asyncio.run(scenario(url, mode, a_text, c_text))
-        r = runs[mode]
-        print(f"{mode}: A {r['a_seconds']:.2f} s, B's gaps during A p50/max {r['b_gaps_during_a_ms']['p50']}/"
-              f"{r['b_gaps_during_a_ms']['max']} ms, C cached {r['c']['cached_tokens']}", flush=True)
+    try:
+        for mode, control in MODES.items():
+            write_control(args.control, control.format(block=args.block))
+            time.sleep(1.0)  # the scheduler polls the file every 0.2 s
+            runs[mode] = asyncio.run(scenario(url, mode, a_text, c_text))
+            r = runs[mode]
+            print(f"{mode}: A {r['a_seconds']:.2f} s, B's gaps during A p50/max {r['b_gaps_during_a_ms']['p50']}/"
+                  f"{r['b_gaps_during_a_ms']['max']} ms, C cached {r['c']['cached_tokens']}", flush=True)
+    finally:
+        write_control(args.control, "# empty: the server's own settings (sub_block_compare.py ended)\n")
+        time.sleep(1.0)
     whole, sub = runs["whole"], runs["sub"]
     verdict = {
         "a_identical": whole["a"]["token_ids"] == sub["a"]["token_ids"],
