@@ -47,7 +47,6 @@
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
-CONTROL_NAME=""  # the paced server's control file, in WORK (CLASS=hybrid)
 source bench/gpu/lib.sh  # (its functions read RES and the rest when called, below)
 case $CLASS in
   dense)
@@ -72,9 +71,6 @@ case $CLASS in
     PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off}
                PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} ${PACED_EXTRA_ENV:-})
-    # A control file the server layers over these (absent or empty: these), in WORK: SUBBLOCK=1
-    # below checks sub-block pacing's answers on this same server, which then gets these back.
-    CONTROL_NAME=control.env
     PACED_ARGS=()
     # the paced simulator as the stack: graphs to 512 and the GDN path (its own preset), steps of the
     # 320 tokens its model fits in 44 ms (14.1 + 1 + 0.09 a token), as adaptive pacing at TARGET_MS would
@@ -108,8 +104,10 @@ export PREFILL_GATE_GC_LOG_MS=${PREFILL_GATE_GC_LOG_MS:-20}
 # beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
 # came after the step); OUT gets it compressed. A diagnosis: a line written a step.
 [ "${TRACE:-0}" = 1 ] && PACED_ENV+=(PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl)
+# CLASS=hybrid: a control file the paced server layers over PACED_ENV (absent or empty: PACED_ENV);
+# SUBBLOCK=1 below checks sub-block pacing's answers on this same server, which then gets them back.
 CONTROL_FILE=""
-if [ -n "$CONTROL_NAME" ]; then CONTROL_FILE=$RES/$CONTROL_NAME; PACED_ENV+=(PREFILL_GATE_PACING_CONTROL_FILE=$CONTROL_FILE); fi
+if [ "$CLASS" = hybrid ]; then CONTROL_FILE=$RES/control.env; PACED_ENV+=(PREFILL_GATE_PACING_CONTROL_FILE=$CONTROL_FILE); fi
 # The stock server only for the rows that use it (ROWS=stack needs the paced one alone).
 SERVERS=paced
 case ",$ROWS," in *,direct,*|*,hold,*|*,proxy,*) SERVERS="stock paced" ;; esac

@@ -351,14 +351,6 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                          f"block_v {block_v}, K {K}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    launches = [(block_v, num_warps, ROWS_ALL, chunk)]
-    if chunk:
-        # The decodes in a launch of their own, the walk's decode launch: the same compiled loop as
-        # without chunks. In the chunks' launch their loop compiled differently on an H100 (CHUNK
-        # is a constant of the program): chunks of 16 changed the decodes' last bits, and so the
-        # states every later step reads (bench/results/gdn/h100/run-b953a47/decode-bits-*.json).
-        launches = [(min(triton.next_power_of_2(V), BLOCK_V), 4, ROWS_DECODES, 0),
-                    (block_v, num_warps, ROWS_PROMPTS, chunk)]
     if walk is not None:
         walk_v, walk_warps = walk
         if chunk:
@@ -367,6 +359,15 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
             raise ValueError(f"walk: value rows a power of two and warps one of {WARPS}, got {walk}")
         walk_v = min(triton.next_power_of_2(V), walk_v)
         launches = [(block_v, num_warps, ROWS_DECODES, 0), (walk_v, walk_warps, ROWS_PROMPTS, 0)]
+    elif chunk:
+        # The decodes in a launch of their own, the walk's decode launch: the same compiled loop as
+        # without chunks. In the chunks' launch their loop compiled differently on an H100 (CHUNK
+        # is a constant of the program): chunks of 16 changed the decodes' last bits, and so the
+        # states every later step reads (bench/results/gdn/h100/run-b953a47/decode-bits-*.json).
+        launches = [(min(triton.next_power_of_2(V), BLOCK_V), 4, ROWS_DECODES, 0),
+                    (block_v, num_warps, ROWS_PROMPTS, chunk)]
+    else:
+        launches = [(block_v, num_warps, ROWS_ALL, 0)]
     args = (q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
             has_initial if has_initial is not None else state_indices,
             *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
