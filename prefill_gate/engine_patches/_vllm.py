@@ -137,6 +137,18 @@ def gdn_internals():
                            is_conv_state_dim_first=is_conv_state_dim_first)
 
 
+def graph_internals():
+    """vLLM's GPU model runner (whose ``capture_model`` captures every CUDA graph) and its graph
+    wrapper class (``_all_instances``: every wrapper alive), imported on demand: the runner's
+    module is heavy, and only a server that uploads its graphs needs it."""
+    from types import SimpleNamespace
+
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return SimpleNamespace(runner_cls=GPUModelRunner, wrapper_cls=CUDAGraphWrapper)
+
+
 def warmup_internals():
     """vLLM's start-up kernel warm-up module and the mamba state copy it leaves cold, imported
     on demand (only a server with the GDN patch on installs ``warmup``)."""

@@ -84,7 +84,7 @@ def covering_limit(mode: str | int, scheduler_cls: object, max_num_batched_token
     """The size graphs should reach, or None to leave vLLM's sizes as they are."""
     if mode == "off":
         return None
-    if mode == "auto" and not _is_ours(scheduler_cls):
+    if mode == "auto" and not is_ours(scheduler_cls):
         return None
     if isinstance(mode, int):
         return min(mode, max_num_batched_tokens)
@@ -142,6 +142,6 @@ def install(vllm_config_cls, mode: str | int, log) -> None:
     vllm_config_cls._set_cudagraph_sizes = set_cudagraph_sizes
 
 
-def _is_ours(scheduler_cls: object) -> bool:
+def is_ours(scheduler_cls: object) -> bool:
     name = scheduler_cls if isinstance(scheduler_cls, str) else getattr(scheduler_cls, "__module__", "")
     return isinstance(name, str) and name.startswith(PACKAGE + ".")
