@@ -21,6 +21,15 @@ still knows it.
 
 `prefill_budget()` inverts the model: the most prefill tokens (one chunk starting at
 `start`) whose predicted step time stays within a target.
+
+A step's time is not linear in its tokens where the GPU's matrix products are tiled: on an
+H100 the 27B hybrid's mixed steps padded to the 256-token CUDA graph took 40 ms, as the line
+predicts, and those padded to 320 took 51-56 ms where it predicted 42-48 (each row tile of a
+product is a fixed amount of work; bench/results/hybrid/h100/run-33e8a15/). So the model also
+keeps, for each CUDA-graph size a mixed step was padded to, that size's last SIZE_WINDOW steps,
+and `excess(size)` says how far they came out above or below the line as it is now (their mean
+time minus the line at their mean features: the line is linear), so a size's excess never goes
+stale while the line moves: the pacer steps down from a size whose steps miss the target.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ N_FEATURES = 4
 # measured steps outweigh it after a few samples.
 PRIOR = (0.005, 0.0001, 0.02, 0.002)
 PRIOR_WEIGHT = 1e-3
+# The steps each CUDA-graph size's excess is measured over (the latest).
+SIZE_WINDOW = 16
 
 
 def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ...]:
@@ -57,6 +68,8 @@ class StepCostModel:
         self._theta: tuple[float, ...] = PRIOR
         self._mixed = 0
         self._dirty = False
+        # CUDA-graph size -> its latest mixed steps (features, seconds)
+        self._sizes: dict[int, deque[tuple[tuple[float, ...], float]]] = {}
 
     @property
     def samples(self) -> int:
@@ -77,9 +90,30 @@ class StepCostModel:
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(c * f for c, f in zip(self.coefficients, x))
 
-    def observe(self, x: tuple[float, ...], seconds: float) -> None:
+    def excess(self, size: int) -> float | None:
+        """How far the latest mixed steps padded to CUDA-graph ``size`` ran above the line as
+        fitted now (seconds, their mean), or None if no such step was measured."""
+        steps = self._sizes.get(size)
+        if not steps:
+            return None
+        mean_x = [sum(x[i] for x, _ in steps) / len(steps) for i in range(N_FEATURES)]
+        return sum(y for _, y in steps) / len(steps) - self.predict(tuple(mean_x))
+
+    @property
+    def largest_measured_size(self) -> int:
+        """The largest CUDA-graph size a measured mixed step was padded to (0: none)."""
+        return max(self._sizes, default=0)
+
+    def size_excess(self) -> dict[int, float]:
+        """``excess`` of every measured size."""
+        return {size: self.excess(size) for size in sorted(self._sizes)}  # type: ignore[misc]
+
+    def observe(self, x: tuple[float, ...], seconds: float, size: int | None = None) -> None:
+        """A measured step; ``size``: the CUDA-graph size it was padded to (None: eager)."""
         if not math.isfinite(seconds) or seconds <= 0:
             return
+        if size is not None and is_mixed(x):
+            self._sizes.setdefault(size, deque(maxlen=SIZE_WINDOW)).append((x, seconds))
         window = self._windows[x[2] > 0]
         if len(window) == window.maxlen:
             old_x, old_y = window[0]

@@ -69,6 +69,11 @@ MIN_FIT_SAMPLES = 8
 AIM_QUANTILE = 0.05
 AIM_RATE = 0.04
 AIM_BOUNDS = (0.5, 1.25)
+# A CUDA-graph size above every size measured so far is tried only where the model puts its
+# step this fraction of the target below it: the model is a line, and steps padded past a
+# matrix-product tile cost more than the line says (cost_model; H100: 256 -> 320 tokens, 40 ->
+# 51-56 ms); a size it has measured is judged by what it measured.
+PROBE_MARGIN = 0.1
 # How often schedule() looks at PREFILL_GATE_PACING_CONTROL_FILE's modification time.
 CONTROL_POLL_SECONDS = 0.2
 
@@ -163,10 +168,53 @@ class Pacer:
         base = self.model.predict(features(decode_rows, []))
         if base >= target:
             return None
-        n = self.model.prefill_budget(base + self.aim * (target - base), decode_rows, prefill_start)
+        aimed = base + self.aim * (target - base)
+        n = self.model.prefill_budget(aimed, decode_rows, prefill_start)
         if math.isinf(n):
             return self.config.cap_tokens
-        return max(self.config.min_tokens, int(n))
+        return self._within_graph_costs(max(self.config.min_tokens, int(n)), decode_rows, prefill_start,
+                                        min(aimed, target))
+
+    def graph_size(self, tokens: int) -> int | None:
+        """The CUDA-graph size a mixed step of ``tokens`` is padded to; None: it runs eagerly."""
+        sizes = self.graph_sizes
+        if not sizes or tokens > sizes[-1]:
+            return None
+        return sizes[bisect.bisect_left(sizes, tokens)]
+
+    def _within_graph_costs(self, cap: int, decode_tokens: int, prefill_start: int, budget_s: float) -> int:
+        """The cap, lowered past CUDA-graph sizes the line underestimates: the step is padded
+        to the size alignment lowers it to (`_fit_cap`); a size measured to run over
+        ``budget_s`` (the line plus the size's measured excess), or one above every measured
+        size whose line is not PROBE_MARGIN of the target below ``budget_s``, gives way to the
+        next smaller size."""
+        sizes = self.graph_sizes
+        if not sizes or not self.config.graph_align:
+            return cap
+        assert self.config.target_itl_s is not None
+        probe_budget = budget_s - PROBE_MARGIN * self.config.target_itl_s
+        largest = self.model.largest_measured_size
+        while True:
+            total = decode_tokens + cap
+            if self.graph_limit is not None:
+                total = min(total, self.graph_limit)
+            if total > sizes[-1]:
+                return cap  # an eager step: no size to judge
+            i = bisect.bisect_right(sizes, total) - 1
+            if i < 0 or sizes[i] <= decode_tokens:
+                return cap  # below every size that holds a prefill token: alignment keeps it
+            size = sizes[i]
+            predicted = self.model.predict(features(decode_tokens, [(prefill_start, size - decode_tokens)]))
+            excess = self.model.excess(size)
+            if excess is not None:
+                fits = predicted + excess <= budget_s
+            else:
+                fits = size <= largest or predicted <= probe_budget
+            if fits or i == 0 or sizes[i - 1] <= decode_tokens:
+                return cap
+            cap = sizes[i - 1] - decode_tokens  # the next smaller size, judged in turn
+            if cap < self.config.min_tokens:
+                return self.config.min_tokens
 
     def feedback(self, seconds: float) -> None:
         """A measured step that ran prefill next to decodes (adaptive mode)."""
@@ -473,7 +521,7 @@ class _PacingMixin:
             return
         seconds = now - last
         if 0 < seconds < MAX_STEP_SECONDS:
-            self.pacer.model.observe(measured.x, seconds)
+            self.pacer.model.observe(measured.x, seconds, size=self.pacer.graph_size(measured.tokens))
             if is_mixed(measured.x):
                 self.pacer.feedback(seconds)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim)

@@ -13,6 +13,7 @@ from vllm.config.compilation import CUDAGraphMode
 from prefill_gate.engine_patches.pacing import (
     PacedAsyncScheduler,
     PacedScheduler,
+    Pacer,
     _mixed_step_graph_sizes,
 )
 from tests.engine.harness import DEFAULT_GRAPH_SIZES, Engine, build, vllm_config
@@ -367,3 +368,54 @@ def test_adaptive_holds_the_target_in_every_overlap(cls, depth, target_ms, tiny_
         p99 = ranked[int(0.99 * (len(ranked) - 1))]
         assert p99 <= 1.10 * target, (turn, p99, target)
         assert ranked[len(ranked) // 2] >= 0.80 * target, (turn, ranked[len(ranked) // 2])
+
+
+# The 27B hybrid's capture sizes on an H100 (vLLM's to 128 at --max-num-seqs 64, the plugin's above).
+HYBRID_GRAPH_SIZES = [1, 2, 4, *range(8, 129, 8), 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+def tiled_cost(sizes, *, tile_above: int = 256, tile_s: float = 0.011):
+    """A step-time law shaped like the 27B hybrid's on an H100 (bench/results/hybrid/h100/
+    run-33e8a15/): a 20.5 ms decode step, ~0.07 ms a prefill token, attention growing with the
+    chunk's context, and a step padded to a CUDA graph above ``tile_above`` tokens ``tile_s``
+    dearer (the matrix products' next row tile: 256 -> 320 tokens, 40 -> 51-56 ms measured)."""
+
+    def cost(step, scheduler) -> float:
+        tokens = step.output.total_num_scheduled_tokens
+        attention = 0.0
+        for rid, end in step.chunk_end.items():
+            n = step.output.num_scheduled_tokens[rid]
+            attention += n * (end - n + n / 2)
+        padded = next((s for s in sizes if s >= tokens), tokens)
+        tile = tile_s if step.prefill_tokens and padded > tile_above else 0.0
+        return 0.0205 + 0.0003 * len(step.decode_tokens) + 7e-5 * step.prefill_tokens + 1.2e-9 * attention + tile
+
+    return cost
+
+
+def paced_pair_steps(cls, depth, tiny_model) -> list[float]:
+    engine = Engine(make(cls, depth, tiny_model, graph_sizes=HYBRID_GRAPH_SIZES), depth=depth,
+                    cost=tiled_cost(HYBRID_GRAPH_SIZES))
+    engine.add(40, 5000, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    for turn in range(3):  # the seed pair's three runs, on one server
+        engine.add(28_600, 10, f"A{turn}")
+        engine.run(lambda t=turn: f"A{t}" in engine.first_token, max_steps=3000)
+    engine.drain()
+    return [d for s, d in zip(engine.steps, engine.durations) if s.prefill_tokens and s.decoding]
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_adaptive_steps_down_from_a_graph_size_that_costs_more_than_the_line(cls, depth, tiny_model, pacing_env,
+                                                                              monkeypatch):
+    """On the H100 a stream's worst gaps beside a long prompt (54-56 ms against a 44 ms target and
+    issue 50's bound of 50) were steps padded to the 320-token graph, which the fitted line put at
+    42-48 ms. The pacer must keep to sizes whose steps meet the target once it has measured them,
+    and try a size above every measured one only with room to spare."""
+    pacing_env("adaptive", target_itl_ms=44, cap_tokens=256)
+    mixed = paced_pair_steps(cls, depth, tiny_model)
+    assert max(mixed) <= 0.044 * 1.10, sorted(mixed)[-5:]
+    assert sorted(mixed)[len(mixed) // 2] >= 0.044 * 0.85  # and still fills the steps it can
+    # the line alone, as before: the aim tracker pushes into the dear size and streams pay for it
+    monkeypatch.setattr(Pacer, "_within_graph_costs", lambda self, cap, *args: cap)
+    assert max(paced_pair_steps(cls, depth, tiny_model)) > 0.050

@@ -101,6 +101,58 @@ def test_a_decode_only_stretch_keeps_what_prefill_costs():
     assert model.predict(features(1, [(0, 256)])) == pytest.approx(0.0047 + 3e-5 * 256, rel=0.02)
 
 
+def test_each_graph_size_keeps_its_excess_over_the_line():
+    """Per CUDA-graph size, mixed steps only, against the line as it is when asked."""
+    model = StepCostModel()
+    assert model.excess(320) is None and model.largest_measured_size == 0
+    for n in (64, 128, 255) * 8:
+        model.observe(features(1, [(0, n)]), 0.0205 + 7e-5 * n, size=n + 1)
+    x320 = features(1, [(0, 319)])
+    model.observe(x320, model.predict(x320) + 0.011, size=320)
+    assert 0.005 < model.excess(320) < 0.011  # one step 11 ms over the line: it bends a little
+    for _ in range(30):
+        model.observe(features(1, [(0, 319)]), 0.0205 + 7e-5 * 319 + 0.011, size=320)
+    # the line bends towards the dear size (its attention term is a curve); line plus excess
+    # still tell each size's time
+    for n, truth in ((319, 0.0205 + 7e-5 * 319 + 0.011), (255, 0.0205 + 7e-5 * 255)):
+        x = features(1, [(0, n)])
+        assert model.predict(x) + model.excess(n + 1) == pytest.approx(truth, rel=0.05), n
+    assert model.largest_measured_size == 320
+    model.observe(features(0, [(0, 4096)]), 0.3, size=512)  # a prompt alone: no decode to pad beside
+    model.observe(features(4, []), 0.02, size=8)  # decodes alone
+    assert model.excess(512) is None and model.excess(8) is None and model.largest_measured_size == 320
+
+
+SIZES = [*range(8, 129, 8), 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+def test_the_cap_steps_down_from_a_size_measured_over_the_target_and_probes_only_with_room():
+    pacer = Pacer(PacingConfig(mode="adaptive", cap_tokens=64, target_itl_s=0.044, min_tokens=16),
+                  graph_sizes=SIZES)
+    for n in (63, 127, 191, 255) * 4:  # the line: 20.5 ms + 0.07 ms a token
+        pacer.model.observe(features(1, [(0, n)]), 0.0205 + 7e-5 * n, size=n + 1)
+    pacer.aim = 1.25  # steps under the target raise the aim: the line alone now allows ~410 tokens
+    assert pacer.model.prefill_budget(0.0205 + 1.25 * 0.0235, 1, 0) > 400
+    assert plan(pacer).prefill_cap == 255  # 320 and 384 never measured, no room to try them
+    pacer.aim = 0.95
+    low = Pacer(PacingConfig(mode="adaptive", cap_tokens=64, target_itl_s=0.060, min_tokens=16),
+                graph_sizes=SIZES, model=pacer.model)
+    low.aim = 1.0
+    assert plan(low).prefill_cap == 447  # 60 ms: 512 at 56.3 by the line, not 6 below: 448 (51.8) tried
+    pacer.model.observe(features(1, [(0, 319)]), 0.0205 + 7e-5 * 319 + 0.012, size=320)
+    pacer.model.observe(features(1, [(0, 383)]), 0.0205 + 7e-5 * 383 - 0.002, size=384)
+    pacer.aim = 1.25
+    assert plan(pacer).prefill_cap == 255  # 384 measured at 45.3, 320 at 54.8: both over 44
+    generous = Pacer(PacingConfig(mode="adaptive", cap_tokens=64, target_itl_s=0.050, min_tokens=16),
+                     graph_sizes=SIZES, model=pacer.model)
+    generous.aim = 1.0
+    assert plan(generous).prefill_cap == 383  # 384 measured under 50 ms; 448 above it all, no room
+    no_graphs = Pacer(PacingConfig(mode="adaptive", cap_tokens=64, target_itl_s=0.044, min_tokens=16),
+                      model=pacer.model)
+    no_graphs.aim = 1.0
+    assert plan(no_graphs).prefill_cap > 300  # eager steps: the line alone
+
+
 def plan(pacer, **kw):
     args = {"decoding": True, "prefill_pending": True, "decode_tokens": 1, "prefill_start": 0}
     args.update(kw)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from prefill_gate import engine_patches
 from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError
-from prefill_gate.engine_patches.cost_model import StepCostModel
+from prefill_gate.engine_patches.cost_model import StepCostModel, features
 from prefill_gate.engine_patches.telemetry import PacingTelemetry
 
 
@@ -80,6 +80,8 @@ def test_telemetry_logs_a_summary_on_its_interval(caplog):
         now[0] = 11.0
         telemetry.step(decode_rows=1, prefill_tokens=64, plan_cap=64, deferred=False)
     assert '"mode": "adaptive"' in caplog.text and '"samples": 0' in caplog.text
+    telemetry.model.observe(features(1, [(0, 255)]), 0.040, size=256)
+    assert telemetry.summary()["model"]["graph_size_excess_ms"].keys() == {"256"}
 
 
 def test_the_engine_info_plugin_is_declared():
