@@ -485,16 +485,16 @@ class _PacingMixin:
             short_first=short_tokens > 0,
         )
         if self._trace is not None and output.total_num_scheduled_tokens:
-            self._write_trace(now, decode_rows, chunks, plan, x, short_tokens)
+            self._write_trace(now, decode_rows, chunks, plan, x, short_tokens, output.total_num_scheduled_tokens)
 
     def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
-                     plan: StepPlan, x: tuple[float, ...], short_tokens: int) -> None:
+                     plan: StepPlan, x: tuple[float, ...], short_tokens: int, tokens: int) -> None:
         """One JSON line per step with work in it while pacing is on: what was scheduled
         and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one). `t` is when schedule() was called. With the synchronous loop a step lasts
         until the next line's `t`; with async scheduling (two steps in flight) its duration
         is the gap between the next two lines' `t`. `unix`: the same moment on the wall
         clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
-        `t0_unix`)."""
+        `t0_unix`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager)."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
             "step": self.current_step, "t": round(now, 6), "unix": round(time.time(), 4),
@@ -504,6 +504,7 @@ class _PacingMixin:
             "short_first_tokens": short_tokens,
             "aim": round(self.pacer.aim, 4) if adaptive else None,
             "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
+            "graph_size": self.pacer.graph_size(tokens),
         }
         self._trace.write(json.dumps(record, separators=(",", ":")) + "\n")
 

@@ -269,7 +269,8 @@ def test_adaptive_holds_the_target(cls, depth, target_ms, bias, jitter, tiny_mod
 def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tmp_path):
     trace = tmp_path / "trace.jsonl"
     pacing_env("adaptive", target_itl_ms=15, cap_tokens=64, trace_file=trace)
-    engine = Engine(make(cls, depth, tiny_model), depth=depth, cost=h200_like_cost())
+    engine = Engine(make(cls, depth, tiny_model, graph_sizes=DEFAULT_GRAPH_SIZES), depth=depth,
+                    cost=h200_like_cost())
     engine.add(40, 200, "B")
     engine.run(lambda: "B" in engine.first_token)
     engine.add(5000, 5, "A")
@@ -285,6 +286,8 @@ def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tm
     for line, step in zip(lines, worked):
         assert sum(n for _, n in line["chunks"]) == step.prefill_tokens
         assert line["decode_rows"] == len(step.decode_tokens)
+        tokens = step.output.total_num_scheduled_tokens  # vLLM pads the step to the next size
+        assert line["graph_size"] == next((size for size in DEFAULT_GRAPH_SIZES if size >= tokens), None)
         if step.decoding and step.prefill_tokens:
             assert line["cap"] >= step.prefill_tokens and line["predicted_s"] > 0
     assert [line["step"] for line in lines] == sorted({line["step"] for line in lines})

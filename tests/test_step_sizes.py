@@ -1,0 +1,54 @@
+"""bench/gpu/step_sizes.py: a step trace's mixed steps by the CUDA-graph size they were padded to."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("step_sizes", ROOT / "bench/gpu/step_sizes.py")
+step_sizes = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step_sizes)
+
+
+def trace(steps: list[tuple[int, int, float]], with_sizes: bool = True) -> list[dict]:
+    """Lines for steps of (decode rows, prefill tokens, seconds) run back to back; a schedule
+    call starts each, async-style (step i runs from call i+1 to call i+2)."""
+    lines, t = [], 0.0
+    for i, (rows, tokens, _) in enumerate(steps):
+        line = {"t": t, "decode_rows": rows, "chunks": [[0, tokens]] if tokens else [], "predicted_s": 0.040}
+        if with_sizes:
+            line["graph_size"] = 256 if rows + tokens <= 256 else 320 if rows + tokens <= 320 else None
+        lines.append(line)
+        # the interval after call i+1 is step i's
+        t += steps[i - 1][2] if i else 0.001
+    return lines
+
+
+def test_steps_group_by_size_with_the_async_lag(tmp_path, capsys):
+    steps = [(1, 255, 0.040), (1, 255, 0.041), (1, 319, 0.055), (1, 255, 0.042), (4, 0, 0.020), (1, 255, 0.040),
+             (1, 255, 0.9), (1, 255, 0.040), (1, 255, 0.040)]
+    rows = step_sizes.by_size(trace(steps))
+    # the last two steps end past the trace; the decode-only one is no mixed step
+    assert [(r["graph_size"], r["steps"]) for r in rows] == [(256, 4), (320, 1)]
+    assert rows[1]["median_ms"] == 55.0 and rows[1]["predicted_median_ms"] == 40.0
+    assert rows[0]["max_ms"] == 42.0  # the 0.9 s interval is idle time, no step
+    assert [r["steps"] for r in step_sizes.by_size(trace(steps), lag=0)] == [5, 1]  # --sync: one more ends in it
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(x) for x in trace(steps)))
+    assert step_sizes.main([str(path), "--json", str(tmp_path / "out.json")]) == 0
+    assert "320" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out.json").read_text())["rows"][1]["graph_size"] == 320
+
+
+def test_old_traces_need_the_sizes(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    steps = [(1, 255, 0.040), (1, 319, 0.055), (1, 255, 0.040), (1, 255, 0.040)]
+    path.write_text("\n".join(json.dumps(x) for x in trace(steps, with_sizes=False)))
+    assert step_sizes.main([str(path)]) == 2 and "pass --sizes" in capsys.readouterr().err
+    rows = step_sizes.by_size(trace(steps, with_sizes=False), sizes=[128, 256, 320, 512])
+    assert [(r["graph_size"], r["steps"]) for r in rows] == [(256, 1), (320, 1)]
+    assert step_sizes.main([str(tmp_path / "missing.jsonl")]) == 2
