@@ -27,9 +27,10 @@ H100 the 27B hybrid's mixed steps padded to the 256-token CUDA graph took 40 ms,
 predicts, and those padded to 320 took 51-56 ms where it predicted 42-48 (each row tile of a
 product is a fixed amount of work; bench/results/hybrid/h100/run-33e8a15/). So the model also
 keeps, for each CUDA-graph size a mixed step was padded to, that size's last SIZE_WINDOW steps,
-and `excess(size)` says how far they came out above or below the line as it is now (their mean
-time minus the line at their mean features: the line is linear), so a size's excess never goes
-stale while the line moves: the pacer steps down from a size whose steps miss the target.
+and `excess(size)` says how far they came out above or below the line as it is now (the median
+of their residuals, so one stalled step does not condemn a size, and computed when asked, so a
+size's excess never goes stale while the line moves): the pacer steps down from a size whose
+steps miss the target.
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ class StepCostModel:
 
     def excess(self, size: int) -> float | None:
         """How far the latest mixed steps padded to CUDA-graph ``size`` ran above the line as
-        fitted now (seconds, their mean), or None if no such step was measured."""
+        fitted now (seconds, the median residual), or None if no such step was measured."""
         steps = self._sizes.get(size)
         if not steps:
             return None
-        mean_x = [sum(x[i] for x, _ in steps) / len(steps) for i in range(N_FEATURES)]
-        return sum(y for _, y in steps) / len(steps) - self.predict(tuple(mean_x))
+        theta = self.coefficients
+        residuals = sorted(y - sum(c * f for c, f in zip(theta, x)) for x, y in steps)
+        mid = len(residuals) // 2
+        return residuals[mid] if len(residuals) % 2 else (residuals[mid - 1] + residuals[mid]) / 2
 
     @property
     def largest_measured_size(self) -> int:

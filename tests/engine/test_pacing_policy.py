@@ -118,6 +118,9 @@ def test_each_graph_size_keeps_its_excess_over_the_line():
         x = features(1, [(0, n)])
         assert model.predict(x) + model.excess(n + 1) == pytest.approx(truth, rel=0.05), n
     assert model.largest_measured_size == 320
+    x256, told = features(1, [(0, 255)]), model.predict(features(1, [(0, 255)])) + model.excess(256)
+    model.observe(x256, 0.0205 + 7e-5 * 255 + 0.030, size=256)  # one step stalled 30 ms
+    assert model.predict(x256) + model.excess(256) == pytest.approx(told, abs=0.002)  # the median: not condemned
     model.observe(features(0, [(0, 4096)]), 0.3, size=512)  # a prompt alone: no decode to pad beside
     model.observe(features(4, []), 0.02, size=8)  # decodes alone
     assert model.excess(512) is None and model.excess(8) is None and model.largest_measured_size == 320
