@@ -88,6 +88,23 @@ def test_one_server_at_a_time_runs_the_rows_of_each_in_its_own_call(tmp_path):
         merged = json.loads((tmp_path / "out" / "defaults.json").read_text())
         assert set(merged["rows"]) == {"direct", "stack"}
         assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
+
+        # CONTROL: the paced server's part again under another target, on the same server
+        control = tmp_path / "out" / "work" / "control.env"
+        env["CONTROL"] = "PREFILL_GATE_PACING_TARGET_ITL_MS=40"
+        variant = run("stack")
+        assert variant.returncode == 0, variant.stdout[-3000:] + variant.stderr[-3000:]
+        assert "stopping the server" not in variant.stdout and up(ports[1])
+        assert "control: PREFILL_GATE_PACING_TARGET_ITL_MS=40" in variant.stdout and "target 40.0 ms" in variant.stdout
+        assert (tmp_path / "out" / "work" / "variant-PACING-TARGET-ITL-MS-40").is_dir()
+        assert control.read_text() == ""  # the server's own settings back
+        again = json.loads((tmp_path / "out" / "defaults.json").read_text())
+        assert set(again["rows"]) == {"stack"}  # measured anew, not the earlier part's file
+        env["CONTROL"] = "PREFILL_GATE_PACING_TARGET_ITL_MS=fast"
+        refused = run("stack")
+        assert refused.returncode == 2 and "CONTROL refused" in refused.stdout and control.read_text() == ""
+        env["CONTROL"] = "VLLM_ATTENTION_BACKEND=X"
+        assert run("stack").returncode == 2
     finally:
         for port in ports:
             subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)

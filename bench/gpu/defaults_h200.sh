@@ -44,6 +44,10 @@
 #   (GDN_CHUNK, GDN_LIMIT and GDN_WALK from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
 #   SUBBLOCK=1: after the rows, sub-block pacing's answers on the paced server (below).
+#   CONTROL='KEY=VALUE ...' (ROWS=stack): the parts on the running paced server with these engine-patch
+#   settings layered over its own through its control file (e.g. PREFILL_GATE_PACING_TARGET_ITL_MS=40),
+#   no restart; their parts in WORK/variant-VARIANT (VARIANT: a name, default from CONTROL), OUT as
+#   usual; the server gets its own settings back after. Keep WORK: another WORK restarts the servers.
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
@@ -175,6 +179,33 @@ case " $SERVERS " in
     grep -Eq 'pacing="(adaptive|cap)"' "$RES/paced-engine-info.txt" || { say "the paced server publishes no pacing"; exit 3; } ;;
 esac
 
+# CONTROL: the paced server's parts under other settings, through its control file (above).
+BENCH_WORK=$RES
+if [ -n "${CONTROL:-}" ]; then
+  [ -n "$CONTROL_FILE" ] || { say "CONTROL needs the paced server's control file (CLASS=hybrid)"; exit 2; }
+  [ "$ROWS" = stack ] || { say "CONTROL changes the paced server only: ROWS=stack"; exit 2; }
+  for kv in $CONTROL; do  # what the control file takes (a file it refuses, the server ignores)
+    [[ "$kv" =~ ^PREFILL_GATE_PACING_[A-Z_]+=[^=]+$ ]] || { say "CONTROL: $kv is not PREFILL_GATE_PACING_*=VALUE"; exit 2; }
+  done
+  VARIANT=${VARIANT:-$(printf '%s' "$CONTROL" | sed 's/PREFILL_GATE_//g; s/[^A-Za-z0-9.]\{1,\}/-/g')}
+  BENCH_WORK=$RES/variant-$VARIANT
+  mkdir -p "$BENCH_WORK"
+  trap ': > "$CONTROL_FILE"' EXIT  # the server's own settings back, however this ends
+  printf '%s\n' $CONTROL > "$CONTROL_FILE"
+  # read as the server will (a file it refuses, it ignores: the parts would run on its own settings)
+  settings=$(python3 - "$CONTROL_FILE" "${PACED_ENV[@]}" PREFILL_GATE_PACING=adaptive <<'PY'
+import sys
+from prefill_gate.engine_patches.config import PacingConfigError, read_control_file
+try:
+    print(read_control_file(sys.argv[1], dict(kv.split("=", 1) for kv in sys.argv[2:])).describe())
+except PacingConfigError as exc:
+    print(exc)
+    sys.exit(2)
+PY
+) || { say "CONTROL refused: $settings"; exit 2; }
+  say "control: $CONTROL (parts in $BENCH_WORK): $settings"
+fi
+
 BUDGET=0
 if [ "${DEADLINE:-0}" -gt 0 ]; then
   BUDGET=$(( DEADLINE - ($(date +%s) - t0) ))
@@ -183,7 +214,7 @@ fi
 say "bench defaults: $ROWS, $PARTS (parts start within $BUDGET s)"
 python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced "http://127.0.0.1:$PACED" \
   --checks "$CHECKS" --users "$USERS" --long-every "$LONG_EVERY" \
-  --model m --work "$RES" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
+  --model m --work "$BENCH_WORK" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
   --sparse-duration "$SPARSE_DURATION" --short-duration "${SHORT_DURATION:-45}" --pair-runs "$PAIR_RUNS" $FRESH \
   --budget "$BUDGET" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
