@@ -51,15 +51,6 @@ def replay_all(graphs, torch) -> float:
     return time.perf_counter() - t0
 
 
-def upload_all(graphs, torch, libcuda) -> None:
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    for g in graphs:
-        rc = libcuda.cuGraphUpload(ctypes.c_void_p(g.raw_cuda_graph_exec()), stream)
-        if rc != 0:
-            raise RuntimeError(f"cuGraphUpload returned {rc}")
-    torch.cuda.synchronize()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
@@ -67,6 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
+    from prefill_gate.engine_patches import graph_upload  # the plugin's own upload
     from prefill_gate.proxy.bench import report
 
     libcuda = ctypes.CDLL("libcuda.so.1")
@@ -79,7 +71,8 @@ def main() -> int:
                 t_upload = 0.0
                 if upload:
                     t0 = time.perf_counter()
-                    upload_all(graphs, torch, libcuda)
+                    graph_upload.upload(graphs, torch.cuda.current_stream().cuda_stream, libcuda)
+                    torch.cuda.synchronize()
                     t_upload = time.perf_counter() - t0
                 first.append(replay_all(graphs, torch))
                 second.append(replay_all(graphs, torch))

@@ -5,16 +5,17 @@ with a batch descriptor captures, later calls replay) and never replays one befo
 and PyTorch instantiates a graph without uploading it, so the first step of each size in
 service also uploads that size's graphs: on a hybrid with piecewise graphs, ~65 of them (one
 between each pair of splitting ops). Paced steps change size as the pacing follows the
-target, so first uses keep coming long after start-up, each beside live streams.
-(`bench/gpu/graph_first_replay.py` measures what a first replay costs with and without an
-upload.)
+target, so first uses keep coming long after start-up, each beside live streams. On an H100 a
+first replay not uploaded cost 0-20 ms more than the next, uploaded never
+(`bench/gpu/graph_first_replay.py`, bench/results/hybrid/h100/run-33e8a15/).
 
 After vLLM's capture, this uploads every captured graph with the driver's ``cuGraphUpload``,
 which prepares a graph on the device without running any of its kernels, on the stream vLLM
 replays on. An upload that fails logs a warning and vLLM serves as it would have.
 
-    PREFILL_GATE_GRAPH_UPLOAD   auto  where vLLM runs the paced scheduler (--scheduler-cls
-                                      prefill_gate...); any other vLLM here is left alone
+    PREFILL_GATE_GRAPH_UPLOAD   auto  where pacing is asked for (PREFILL_GATE_PACING) and vLLM
+                                      runs the paced scheduler (--scheduler-cls prefill_gate...);
+                                      any other vLLM here is left alone
                                 on    any scheduler
                                 off   vLLM's behaviour
 """
@@ -31,7 +32,7 @@ from prefill_gate.engine_patches.graphs import is_ours
 
 ENV = "PREFILL_GATE_GRAPH_UPLOAD"
 MODES = ("auto", "on", "off")
-_installed = False
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 class GraphUploadError(ValueError):
@@ -47,8 +48,12 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
 
 
 def installed() -> bool:
-    """Has this process wrapped vLLM's capture (a later register() then updates the settings)?"""
-    return _installed
+    """Has this process wrapped vLLM's capture already (its module is loaded and carries ours;
+    a later register() then updates the settings)?"""
+    import sys
+
+    runner_cls = getattr(sys.modules.get(RUNNER_MODULE), "GPUModelRunner", None)
+    return hasattr(getattr(runner_cls, "capture_model", None), "prefill_gate_settings")
 
 
 def applies(mode: str, scheduler_cls: object) -> bool:
@@ -78,8 +83,6 @@ def install(runner_cls, wrapper_cls, mode: str, log: Callable[[str], None], warn
     """Wrap ``runner_cls.capture_model`` (vLLM's GPUModelRunner) so that every graph of
     ``wrapper_cls._all_instances`` is uploaded after it. ``stream()``: the CUstream vLLM
     replays on (default: vLLM's current stream). Installing again replaces the settings."""
-    global _installed
-    _installed = True
     current = runner_cls.capture_model
     if hasattr(current, "prefill_gate_settings"):
         current.prefill_gate_settings.update(mode=mode, log=log, warn=warn, driver=driver, stream=stream)

@@ -130,7 +130,6 @@ def test_register_wraps_vllms_capture_only_where_pacing_is_asked_for(monkeypatch
     original = GPUModelRunner.capture_model
     original = getattr(original, "__wrapped__", original)  # another test's register() may have wrapped it
     monkeypatch.setattr(GPUModelRunner, "capture_model", original)
-    monkeypatch.setattr(graph_upload, "_installed", False)
     assert isinstance(CUDAGraphWrapper._all_instances, type(CUDAGraphWrapper._all_instances))  # vLLM keeps them
     for name in ("PREFILL_GATE_PACING", graph_upload.ENV):
         monkeypatch.delenv(name, raising=False)
