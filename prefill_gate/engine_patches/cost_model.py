@@ -31,6 +31,15 @@ and `excess(size)` says how far they came out above or below the line as it is n
 of their residuals, so one stalled step does not condemn a size, and computed when asked, so a
 size's excess never goes stale while the line moves): the pacer steps down from a size whose
 steps miss the target.
+
+A size's excess is what it costs beside the other sizes, not beside a quiet machine: every
+mixed step also moves a drift, a running mean of how far mixed steps of every size came out
+above the line, and each size's step keeps the drift it ran in; its residual counts less that
+drift. On the H100 a 3.5 s slowdown made every mixed step ~45 ms whatever its size (16 prefill
+tokens as dear as 255; bench/results/hybrid/h100/run-5b8f30f/): without the drift it condemned
+every size in use, the cap fell to 15 tokens, and the sizes it left were never run again to
+clear them (the long prompt took 9.6 s against 4.9). A size dearer than its neighbours (320
+beside 256) still stands out: its steps run above the drift the others set.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ PRIOR = (0.005, 0.0001, 0.02, 0.002)
 PRIOR_WEIGHT = 1e-3
 # The steps each CUDA-graph size's excess is measured over (the latest).
 SIZE_WINDOW = 16
+# The drift is the median residual of the latest DRIFT_STEPS mixed steps: one dear step does not
+# move it (a 320 beside 256s), a slowdown does from its fifth step.
+DRIFT_STEPS = 8
 
 
 def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ...]:
@@ -69,8 +81,9 @@ class StepCostModel:
         self._theta: tuple[float, ...] = PRIOR
         self._mixed = 0
         self._dirty = False
-        # CUDA-graph size -> its latest mixed steps (features, seconds)
-        self._sizes: dict[int, deque[tuple[tuple[float, ...], float]]] = {}
+        # CUDA-graph size -> its latest mixed steps (features, seconds, the drift they ran in)
+        self._sizes: dict[int, deque[tuple[tuple[float, ...], float, float]]] = {}
+        self._residuals: deque[float] = deque(maxlen=DRIFT_STEPS)  # the latest mixed steps'
 
     @property
     def samples(self) -> int:
@@ -91,16 +104,21 @@ class StepCostModel:
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(c * f for c, f in zip(self.coefficients, x))
 
+    @property
+    def drift(self) -> float:
+        """How far the latest mixed steps, of every size, ran above the line at the time
+        (seconds, the median of DRIFT_STEPS)."""
+        return _median(self._residuals) if self._residuals else 0.0
+
     def excess(self, size: int) -> float | None:
         """How far the latest mixed steps padded to CUDA-graph ``size`` ran above the line as
-        fitted now (seconds, the median residual), or None if no such step was measured."""
+        fitted now, less the drift each ran in (seconds, the median), or None if no such step
+        was measured."""
         steps = self._sizes.get(size)
         if not steps:
             return None
         theta = self.coefficients
-        residuals = sorted(y - sum(c * f for c, f in zip(theta, x)) for x, y in steps)
-        mid = len(residuals) // 2
-        return residuals[mid] if len(residuals) % 2 else (residuals[mid - 1] + residuals[mid]) / 2
+        return _median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift in steps])
 
     @property
     def largest_measured_size(self) -> int:
@@ -115,8 +133,11 @@ class StepCostModel:
         """A measured step; ``size``: the CUDA-graph size it was padded to (None: eager)."""
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        if size is not None and is_mixed(x):
-            self._sizes.setdefault(size, deque(maxlen=SIZE_WINDOW)).append((x, seconds))
+        if is_mixed(x):
+            drift = self.drift
+            self._residuals.append(seconds - self.predict(x))
+            if size is not None:
+                self._sizes.setdefault(size, deque(maxlen=SIZE_WINDOW)).append((x, seconds, drift))
         window = self._windows[x[2] > 0]
         if len(window) == window.maxlen:
             old_x, old_y = window[0]
@@ -162,6 +183,12 @@ class StepCostModel:
         ]
         theta = solve_augmented(m, 1e-18)
         return self._theta if theta is None else tuple(theta)
+
+
+def _median(values) -> float:
+    ranked = sorted(values)
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def solve_augmented(m: list[list[float]], tiny: float) -> list[float] | None:

@@ -69,6 +69,15 @@ MIN_FIT_SAMPLES = 8
 AIM_QUANTILE = 0.05
 AIM_RATE = 0.04
 AIM_BOUNDS = (0.5, 1.25)
+# After AIM_RECOVER_STEPS mixed steps in a row that filled their caps and each ran more than
+# AIM_RECOVER_SLACK of the target under it, the aim rises at AIM_RATE, as fast as a step over the
+# target lowers it: the pacer aims low, not a lucky step (at the quantile, with steps' jitter up
+# to +-20%, eight such steps in a row come less than once in a thousand). After a slowdown no cap
+# could escape (every step ~45 ms on the H100 whatever its prefill, bench/results/hybrid/h100/
+# run-5b8f30f/) the aim sat at its floor and, at the quantile's slow rise (0.2% a step), took
+# ~300 steps to come back, every long prompt in them prefilled at half the share it could.
+AIM_RECOVER_SLACK = 0.2
+AIM_RECOVER_STEPS = 8
 # A CUDA-graph size above every size measured so far is tried only where the model puts its
 # step this fraction of the target below it: the model is a line, and steps padded past a
 # matrix-product tile cost more than the line says (cost_model; H100: 256 -> 320 tokens, 40 ->
@@ -91,6 +100,7 @@ class StepPlan:
 class _StepRecord:
     tokens: int
     x: tuple[float, ...]
+    filled: bool = False  # its prefill took all of a pacing cap
 
 
 class Pacer:
@@ -110,6 +120,7 @@ class Pacer:
         self.model = model or StepCostModel()
         self.deferred_in_row = 0
         self.aim = 0.95
+        self.low_in_row = 0  # filled mixed steps in a row well under the target (adaptive)
 
     @property
     def cap_block(self) -> int | None:
@@ -216,14 +227,20 @@ class Pacer:
             if cap < self.config.min_tokens:
                 return self.config.min_tokens
 
-    def feedback(self, seconds: float) -> None:
-        """A measured step that ran prefill next to decodes (adaptive mode)."""
+    def feedback(self, seconds: float, filled: bool = False) -> None:
+        """A measured step that ran prefill next to decodes (adaptive mode); ``filled``: its
+        prefill took all the cap it was given."""
         if self.config.mode != "adaptive" or self.config.target_itl_s is None:
             return
-        if seconds > self.config.target_itl_s:
+        target = self.config.target_itl_s
+        if seconds > target:
+            self.low_in_row = 0
             self.aim *= 1 - AIM_RATE
         else:
-            self.aim *= 1 + AIM_RATE * AIM_QUANTILE / (1 - AIM_QUANTILE)
+            if filled:  # a step its prompt's end or a block boundary cut short neither counts nor breaks the row
+                self.low_in_row = self.low_in_row + 1 if seconds < (1 - AIM_RECOVER_SLACK) * target else 0
+            fast = self.low_in_row >= AIM_RECOVER_STEPS
+            self.aim *= 1 + (AIM_RATE if fast else AIM_RATE * AIM_QUANTILE / (1 - AIM_QUANTILE))
         self.aim = min(max(self.aim, AIM_BOUNDS[0]), AIM_BOUNDS[1])
 
     def _fit_cap(self, cap: int, decode_tokens: int) -> int:
@@ -471,7 +488,9 @@ class _PacingMixin:
                 start = self.requests[req_id].num_computed_tokens - n
                 chunks.append((start, n))
         x = features(decode_rows, chunks)
-        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x))
+        prefill = sum(n for _, n in chunks)
+        filled = plan.prefill_cap is not None and prefill >= plan.prefill_cap
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, filled))
         short_tokens = 0
         if arrangement is not None and (arrangement.long_ids or arrangement.waiting_order is not None):
             # a short prompt went ahead of a long one that wanted the same tokens
@@ -524,7 +543,7 @@ class _PacingMixin:
         if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds, size=self.pacer.graph_size(measured.tokens))
             if is_mixed(measured.x):
-                self.pacer.feedback(seconds)
+                self.pacer.feedback(seconds, measured.filled)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim)
 
 

@@ -161,7 +161,9 @@ class PacingTelemetry:
                 "aim": round(self.aim, 4),
                 "target_unreachable_steps": self.unreachable_steps,
                 **{t: round(c, 7) for t, c in zip(TERMS, self.model.coefficients)},
-                # how far each CUDA-graph size's mixed steps run above the fitted line
+                # how far the latest mixed steps of every size ran above the line (a slowdown)
+                "drift_ms": round(self.model.drift * 1e3, 1),
+                # how far each CUDA-graph size's mixed steps run above the line, less that drift
                 "graph_size_excess_ms": {str(size): round(e * 1e3, 1) for size, e in self.model.size_excess().items()},
             }
         return out
