@@ -9,7 +9,7 @@ import pytest
 
 from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError
 from prefill_gate.engine_patches.cost_model import StepCostModel, features
-from prefill_gate.engine_patches.pacing import Pacer
+from prefill_gate.engine_patches.pacing import AIM_QUANTILE, AIM_RATE, AIM_RECOVER_STEPS, Pacer
 from tests.engine.harness import DEFAULT_GRAPH_SIZES
 
 
@@ -124,6 +124,31 @@ def test_each_graph_size_keeps_its_excess_over_the_line():
     model.observe(features(0, [(0, 4096)]), 0.3, size=512)  # a prompt alone: no decode to pad beside
     model.observe(features(4, []), 0.02, size=8)  # decodes alone
     assert model.excess(512) is None and model.excess(8) is None and model.largest_measured_size == 320
+
+
+
+def test_a_slowdown_of_every_size_condemns_none():
+    """Every mixed step 20 ms dearer for a while, whatever its size: each size's excess is
+    measured against the drift it ran in, so none stands out; one size dearer than the others
+    does."""
+    model = StepCostModel()
+    law = lambda n: 0.0205 + 7e-5 * n  # noqa: E731
+    for n in (63, 127, 255) * 8:
+        model.observe(features(1, [(0, n)]), law(n), size=n + 1)
+    for n in (255, 127, 63, 15) * 6:  # the cap falls through the slowdown
+        model.observe(features(1, [(0, n)]), law(n) + 0.020, size=n + 1)
+    assert model.drift > 0.010
+    for size in (16, 64, 128, 256):
+        assert model.excess(size) < 0.004, (size, model.excess(size))
+    for n in (255, 127, 63) * 4:  # quiet again: under a line that took in part of the slowdown
+        model.observe(features(1, [(0, n)]), law(n), size=n + 1)
+    assert model.drift < -0.002
+    for size in (16, 64, 128, 256):
+        assert model.excess(size) < 0.004, (size, model.excess(size))  # none condemned
+    for _ in range(3):
+        for n in (255, 319, 255, 255):
+            model.observe(features(1, [(0, n)]), law(n) + (0.011 if n == 319 else 0.0), size=n + 1)
+    assert model.excess(320) > 0.007 and model.excess(256) < 0.003
 
 
 SIZES = [*range(8, 129, 8), 160, 192, 224, 256, 320, 384, 448, 512]
@@ -281,3 +306,31 @@ def test_feedback_tracks_the_exceedance_quantile():
     cap_pacer = Pacer(PacingConfig(mode="cap", cap_tokens=256))
     cap_pacer.feedback(1.0)  # only adaptive mode listens
     assert cap_pacer.aim == 0.95
+    # filled steps well under the target: the quantile stays where it was
+    filled = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.020))
+    for i in range(4000):
+        measured = 0.020 * filled.aim * 1.2 * rng.uniform(0.95, 1.05)
+        filled.feedback(measured, filled=True)
+    assert 0.75 <= filled.aim <= 0.85
+
+
+def test_the_aim_returns_as_fast_as_it_fell_only_after_a_row_of_filled_steps_well_under():
+    pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))
+    pacer.aim = 0.5
+    slow = 1 + AIM_RATE * AIM_QUANTILE / (1 - AIM_QUANTILE)
+    for _ in range(AIM_RECOVER_STEPS - 1):
+        pacer.feedback(0.030, filled=True)  # 32% under the target
+    pacer.feedback(0.030, filled=False)  # a prompt's end: neither counts nor breaks the row
+    assert pacer.aim == pytest.approx(0.5 * slow ** AIM_RECOVER_STEPS)
+    pacer.feedback(0.030, filled=True)  # the eighth filled one
+    assert pacer.aim == pytest.approx(0.5 * slow ** AIM_RECOVER_STEPS * (1 + AIM_RATE))
+    pacer.feedback(0.040, filled=True)  # under the target, not 20% under: the row ends
+    aim = pacer.aim
+    pacer.feedback(0.030, filled=True)
+    assert pacer.aim == pytest.approx(aim * slow)
+    for _ in range(AIM_RECOVER_STEPS):
+        pacer.feedback(0.030, filled=True)
+    pacer.feedback(0.050, filled=True)  # over the target: down, and the row starts again
+    aim = pacer.aim
+    pacer.feedback(0.030, filled=True)
+    assert pacer.aim == pytest.approx(aim * slow)
