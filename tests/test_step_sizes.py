@@ -52,3 +52,18 @@ def test_old_traces_need_the_sizes(tmp_path, capsys):
     rows = step_sizes.by_size(trace(steps, with_sizes=False), sizes=[128, 256, 320, 512])
     assert [(r["graph_size"], r["steps"]) for r in rows] == [(256, 1), (320, 1)]
     assert step_sizes.main([str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_host_time_from_launched(capsys, tmp_path):
+    steps = [(1, 255, 0.040), (1, 255, 0.041), (1, 319, 0.055), (1, 255, 0.042), (1, 255, 0.040)]
+    lines = trace(steps)
+    for line, host in zip(lines, (0.030, 0.032, 0.050, 0.031, 0.030)):
+        line["launched"] = line["t"] + host
+    rows = step_sizes.by_size(lines)
+    assert [(r["graph_size"], r["host_median_ms"]) for r in rows] == [(256, 31.0), (320, 50.0)]
+    assert [r["host_median_ms"] for r in step_sizes.by_size(trace(steps))] == [None, None]  # older traces
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert step_sizes.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host ms" in out and "50.0" in out

@@ -8,7 +8,10 @@ The diagnosis that found the 27B hybrid's 320-token steps 9 ms dearer than the l
 calls: with vLLM's async scheduling (the default) step i runs from call i+1 to call i+2; with
 ``--sync`` (``--no-async-scheduling``) from call i to call i+1. Intervals past 200 ms are idle
 time, not steps, and are left out. Traces written before the trace had ``graph_size`` take
-the sizes from ``--sizes`` (comma-separated capture sizes).
+the sizes from ``--sizes`` (comma-separated capture sizes). Where the trace has ``launched``
+(traces since pacing stamps it), ``host ms`` is the median time the engine's host spent on a step
+until its forward pass was launched (``launched - t``): where it reaches the step's measured
+time, the host, not the GPU, sets the pace, and the interval after a call is that step's own.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def read(path: Path) -> list[dict]:
 
 def by_size(records: list[dict], *, lag: int = 1, sizes: list[int] | None = None) -> list[dict]:
     """One row per graph size (None: eager) of the mixed steps' measured and predicted times."""
-    groups: dict[int | None, list[tuple[float, float | None, int]]] = {}
+    groups: dict[int | None, list[tuple[float, float | None, int, float | None]]] = {}
     for i, r in enumerate(records):
         if not (r.get("chunks") and r.get("decode_rows")) or i + 1 + lag >= len(records):
             continue
@@ -45,17 +48,21 @@ def by_size(records: list[dict], *, lag: int = 1, sizes: list[int] | None = None
             size = sizes[j] if j < len(sizes) else None
         else:
             size = r.get("graph_size")
-        groups.setdefault(size, []).append((seconds, r.get("predicted_s"), i))
+        launched = r.get("launched")
+        host = launched - r["t"] if launched is not None else None
+        groups.setdefault(size, []).append((seconds, r.get("predicted_s"), i, host))
     rows = []
     for size in sorted(groups, key=lambda s: (s is None, s or 0)):
         steps = groups[size]
-        measured = [s for s, _, _ in steps]
-        predicted = [p for _, p, _ in steps if p is not None]
-        worst = max(steps)
+        measured = [s for s, _, _, _ in steps]
+        predicted = [p for _, p, _, _ in steps if p is not None]
+        host = [h for _, _, _, h in steps if h is not None]
+        worst = max(steps, key=lambda step: step[0])
         rows.append({"graph_size": size, "steps": len(steps),
                      "median_ms": round(statistics.median(measured) * 1e3, 1),
                      "max_ms": round(max(measured) * 1e3, 1),
                      "predicted_median_ms": round(statistics.median(predicted) * 1e3, 1) if predicted else None,
+                     "host_median_ms": round(statistics.median(host) * 1e3, 1) if host else None,
                      "worst_step_index": worst[2]})
     return rows
 
@@ -77,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.trace}: written before traces had graph_size: pass --sizes", file=sys.stderr)
         return 2
     rows = by_size(records, lag=0 if args.sync else 1, sizes=sizes)
-    print(f"{'graph size':>10}  {'steps':>6}  {'median ms':>9}  {'max ms':>7}  {'line says ms':>12}")
+    print(f"{'graph size':>10}  {'steps':>6}  {'median ms':>9}  {'max ms':>7}  {'line says ms':>12}  {'host ms':>7}")
     for r in rows:
         size = "eager" if r["graph_size"] is None else r["graph_size"]
         line = "-" if r["predicted_median_ms"] is None else r["predicted_median_ms"]
-        print(f"{size:>10}  {r['steps']:>6}  {r['median_ms']:>9}  {r['max_ms']:>7}  {line:>12}")
+        host = "-" if r["host_median_ms"] is None else r["host_median_ms"]
+        print(f"{size:>10}  {r['steps']:>6}  {r['median_ms']:>9}  {r['max_ms']:>7}  {line:>12}  {host:>7}")
     if args.json:
         args.json.write_text(json.dumps({"trace": str(args.trace), "rows": rows}, indent=1))
     return 0

@@ -85,6 +85,9 @@ AIM_RECOVER_STEPS = 8
 PROBE_MARGIN = 0.1
 # How often schedule() looks at PREFILL_GATE_PACING_CONTROL_FILE's modification time.
 CONTROL_POLL_SECONDS = 0.2
+# Trace lines wait for their step's output (`done`); past this many waiting, the oldest is written
+# as it is (a step whose output never came, e.g. the engine stopping).
+TRACE_PENDING_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -295,8 +298,9 @@ class _PacingMixin:
         self._control_seen: int | None = None  # the control file's mtime (ns) last read
         self._control_next_poll = 0.0
         trace = os.environ.get("PREFILL_GATE_PACING_TRACE_FILE") or None
-        # line-buffered, so a killed engine leaves every step it ran in the file
+        # line-buffered, so a killed engine leaves every step whose output came back in the file
         self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None  # noqa: SIM115 (open for the engine's life)
+        self._trace_pending: deque[tuple[SchedulerOutput, dict]] = deque()  # lines awaiting `done`
         self._log_pacing()
 
     def _log_pacing(self) -> None:
@@ -504,16 +508,23 @@ class _PacingMixin:
             short_first=short_tokens > 0,
         )
         if self._trace is not None and output.total_num_scheduled_tokens:
-            self._write_trace(now, decode_rows, chunks, plan, x, short_tokens, output.total_num_scheduled_tokens)
+            self._trace_step(output, now, decode_rows, chunks, plan, x, short_tokens)
 
-    def _write_trace(self, now: float, decode_rows: int, chunks: list[tuple[int, int]],
-                     plan: StepPlan, x: tuple[float, ...], short_tokens: int, tokens: int) -> None:
+    def _trace_step(self, output: SchedulerOutput, now: float, decode_rows: int, chunks: list[tuple[int, int]],
+                    plan: StepPlan, x: tuple[float, ...], short_tokens: int) -> None:
         """One JSON line per step with work in it while pacing is on: what was scheduled
-        and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one). `t` is when schedule() was called. With the synchronous loop a step lasts
-        until the next line's `t`; with async scheduling (two steps in flight) its duration
-        is the gap between the next two lines' `t`. `unix`: the same moment on the wall
-        clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
-        `t0_unix`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager)."""
+        and why (`short_first_tokens`: prefill tokens short prompts took ahead of a long one).
+        `t` is when schedule() was called; `launched`, when vLLM's engine loop came back to the
+        scheduler after launching the step's forward pass (`get_grammar_bitmask`: the host's
+        work for the step until then, the eager GDN path's included); `done`, when its output
+        reached the scheduler (`update_from_output`), all on the same clock (null where the
+        loop did not call). With the synchronous loop a step lasts until the next line's `t`;
+        with async scheduling the interval after a step's `t` is its own host work (`launched -
+        t`) plus the wait for the step before it: the previous step's time where the GPU is
+        the bottleneck, about nothing where the host is. `unix`: the same moment as `t` on the
+        wall clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
+        `t0_unix`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager). A
+        line is written once its step's output came back, so lines stay in step order."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
             "step": self.current_step, "t": round(now, 6), "unix": round(time.time(), 4),
@@ -523,9 +534,39 @@ class _PacingMixin:
             "short_first_tokens": short_tokens,
             "aim": round(self.pacer.aim, 4) if adaptive else None,
             "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
-            "graph_size": self.pacer.graph_size(tokens),
+            "graph_size": self.pacer.graph_size(output.total_num_scheduled_tokens),
+            "launched": None, "done": None,
         }
-        self._trace.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._trace_pending.append((output, record))
+        self._flush_trace()
+
+    def _stamp_trace(self, output: SchedulerOutput, key: str) -> None:
+        for pending, record in self._trace_pending:
+            if pending is output:
+                record[key] = round(self.pacing_clock(), 6)
+                return
+
+    def _flush_trace(self, everything: bool = False) -> None:
+        assert self._trace is not None
+        pending = self._trace_pending
+        while pending and (everything or pending[0][1]["done"] is not None or len(pending) > TRACE_PENDING_MAX):
+            self._trace.write(json.dumps(pending.popleft()[1], separators=(",", ":")) + "\n")
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput):
+        if self._trace_pending:
+            self._stamp_trace(scheduler_output, "launched")
+        return super().get_grammar_bitmask(scheduler_output)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
+        if self._trace_pending:
+            self._stamp_trace(scheduler_output, "done")
+            self._flush_trace()
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        if self._trace is not None:
+            self._flush_trace(everything=True)
+        super().shutdown()
 
     def _observe_step_time(self, now: float) -> None:
         last, self._pacing_last_call = self._pacing_last_call, now

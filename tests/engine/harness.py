@@ -231,6 +231,7 @@ class Engine:
             if r.num_computed_tokens >= r.num_prompt_tokens
         }
         out = sched.schedule()
+        sched.get_grammar_bitmask(out)  # as vLLM's engine loop, once the step is launched
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid not in decoding)
         step = Step(out, decoding, prefill,
                     {rid: n for rid, n in out.num_scheduled_tokens.items() if rid in decoding},

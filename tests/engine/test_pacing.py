@@ -283,9 +283,13 @@ def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tm
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     unix = [line["unix"] for line in lines]  # the wall clock, in order, within this test's minute
     assert unix == sorted(unix) and time.time() - 60 < unix[0] <= unix[-1] <= time.time()
-    worked = [s for s in engine.steps if s.output.total_num_scheduled_tokens]
+    worked = [(s, d) for s, d in zip(engine.steps, engine.durations) if s.output.total_num_scheduled_tokens]
     assert len(lines) == len(worked)
-    for line, step in zip(lines, worked):
+    for line, (step, duration) in zip(lines, worked):
+        # launched when the loop came back to the scheduler (at once here), done when its output came
+        assert line["launched"] == line["t"] and line["done"] >= line["t"] + duration - 1e-6
+        if depth == 1:  # the synchronous loop: the output comes when the step ends
+            assert line["done"] == pytest.approx(line["t"] + duration, abs=2e-6)
         assert sum(n for _, n in line["chunks"]) == step.prefill_tokens
         assert line["decode_rows"] == len(step.decode_tokens)
         tokens = step.output.total_num_scheduled_tokens  # vLLM pads the step to the next size
@@ -295,6 +299,22 @@ def test_trace_file_has_one_line_per_step(cls, depth, tiny_model, pacing_env, tm
     assert [line["step"] for line in lines] == sorted({line["step"] for line in lines})
     mixed = [line for line in lines if line["decode_rows"] and line["chunks"]]
     assert mixed and mixed[-1]["cap"] != 64  # the fit took over from the starting cap
+
+
+
+def test_a_trace_line_waits_for_its_step_and_shutdown_writes_the_rest(tiny_model, pacing_env, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    pacing_env("adaptive", target_itl_ms=15, cap_tokens=64, trace_file=trace)
+    engine = Engine(make(PacedAsyncScheduler, 2, tiny_model), depth=2, cost=h200_like_cost())
+    engine.add(40, 50, "B")
+    engine.run(lambda: len(engine.steps) >= 10)
+    in_flight = len(engine._in_flight)
+    assert in_flight == 1  # the async loop's second step, not yet back
+    lines = trace.read_text().splitlines()
+    assert len(lines) == 10 - in_flight and all(json.loads(line)["done"] is not None for line in lines)
+    engine.scheduler.shutdown()  # the engine stops with a step in flight: its line is written as it is
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == 10 and lines[-1]["done"] is None and lines[-1]["launched"] is not None
 
 
 @pytest.mark.parametrize("graphs, warned", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
