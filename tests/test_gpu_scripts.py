@@ -108,3 +108,36 @@ def test_one_server_at_a_time_runs_the_rows_of_each_in_its_own_call(tmp_path):
     finally:
         for port in ports:
             subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)
+
+
+def test_stage_builds_what_a_device_call_ships_and_its_check_finds_what_is_wrong(tmp_path):
+    """bench/gpu/stage.sh with the vLLM chunks already there (building them needs PyPI and ~3
+    min): it adds the setup script, both model folders, the entry points, and checks it all."""
+    shared, stage, wheels = tmp_path / "shared", tmp_path / "stage", tmp_path / "whl"
+    shared.mkdir()
+    (shared / "device_setup.sh").write_text("echo setup\n")
+    (shared / "make_model.py").write_text(  # the recipe's model maker, reduced to the files it writes
+        "import json, sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True)\n"
+        "(out / 'config.json').write_text(json.dumps({'architectures': ['Qwen3ForCausalLM']}))\n"
+        "for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'generation_config.json'):\n"
+        "    (out / name).write_text('{}')\n")
+    for i, part in enumerate(("p1", "p2", "p3")):
+        (stage / part).mkdir(parents=True)
+        (stage / part / f"slim.tar.xz.part0{i}").write_bytes(b"x" * 100)
+        (stage / part / "slim.tar.xz.sha256").write_text("abc\n")
+    wheels.mkdir()
+    (wheels / "httptools-0.9.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"w")
+    env = {**os.environ, "STAGE_DIR": str(stage), "WHEEL_DIR": str(wheels), "SHARED_GPU": str(shared)}
+    script = str(ROOT / "bench/gpu/stage.sh")
+    done = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "staged:" in done.stdout
+    assert (stage / "device_setup.sh").is_file() and (stage / "model-hybrid-27b" / "config.json").is_file()
+    assert json.loads((stage / "model-hybrid-27b" / "config.json").read_text())["architectures"] != ["Qwen3ForCausalLM"]
+    assert list((stage / "ep").glob("*.dist-info/entry_points.txt"))
+    (stage / "p2" / "slim.tar.xz.sha256").write_text("def\n")  # a chunk of another build
+    (stage / "model-qwen3-8b" / "tokenizer.json").unlink()
+    check = subprocess.run(["bash", script, "--check"], env=env, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1
+    assert "stale:" in check.stdout and "model-qwen3-8b" in check.stdout and "staged:" not in check.stdout

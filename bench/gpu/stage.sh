@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Everything the device calls ship, built here in one command (no device time; ~3 min, mostly xz;
+# needs PyPI and ../shared/gpu, the workplace's tested recipe):
+#
+#   bash bench/gpu/stage.sh            # build what is missing, then check it all
+#   bash bench/gpu/stage.sh --check    # only check: what is there, what is missing (exit 1 if any)
+#
+# Builds, in the repository's ignored folders (added to .git/info/exclude):
+#   .gpu/p1 .gpu/p2 .gpu/p3    vLLM 0.26.0's slim site in 40 MiB chunks: one per call, beside the
+#                              ~17 MiB tracked tree, under the 64 MiB a call may carry
+#   .gpu/device_setup.sh       `stash` a chunk / `setup` (assemble, unpack once, export PYTHONPATH)
+#   .gpu/model-qwen3-8b        the dense model's folder (config + 256-token tokenizer; dummy weights)
+#   .gpu/model-hybrid-27b      the 27B Gated DeltaNet hybrid's folder (bench/gpu/hybrid_model.py)
+#   .gpu/ep                    prefill-gate's entry points (bench/gpu/dist_info.py)
+#   .whl/                      httptools for the proxy (cp312), which the device image lacks
+# STAGE_DIR (default .gpu) and WHEEL_DIR (default .whl) put them elsewhere (the tests use it).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STAGE=${STAGE_DIR:-.gpu}
+WHEELS=${WHEEL_DIR:-.whl}
+SHARED=${SHARED_GPU:-../shared/gpu}
+CHUNK=40M
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python  # has tokenizers, which the model folders need
+
+chunks() {  # vLLM's site: p1-p3 present, each under 40 MiB, all of one build
+  local bad=0 item sha
+  for item in p1 p2 p3; do
+    if ! compgen -G "$STAGE/$item/slim.tar.xz.part*" >/dev/null || [ ! -s "$STAGE/$item/slim.tar.xz.sha256" ]; then
+      echo "missing: $STAGE/$item (a chunk of vLLM's site)"; bad=1
+    elif [ -n "$(find "$STAGE/$item" -name 'slim.tar.xz.part*' -size +41943040c)" ]; then
+      echo "too big: $STAGE/$item (over 40 MiB: with the tree it would pass a call's 64 MiB)"; bad=1
+    fi
+  done
+  if [ "$bad" = 0 ]; then
+    sha=$(cat "$STAGE/p1/slim.tar.xz.sha256")
+    for item in "$STAGE"/p*/slim.tar.xz.sha256; do
+      [ "$(cat "$item")" = "$sha" ] || { echo "stale: $item (chunks of two different builds)"; bad=1; }
+    done
+  fi
+  return "$bad"
+}
+
+check() {
+  local missing=0 item
+  chunks || missing=1
+  [ -f "$STAGE/device_setup.sh" ] || { echo "missing: $STAGE/device_setup.sh"; missing=1; }
+  for item in model-qwen3-8b model-hybrid-27b; do
+    [ -f "$STAGE/$item/config.json" ] && [ -f "$STAGE/$item/tokenizer.json" ] \
+      || { echo "missing: $STAGE/$item (config.json, tokenizer.json)"; missing=1; }
+  done
+  compgen -G "$STAGE/ep/*.dist-info/entry_points.txt" >/dev/null || { echo "missing: $STAGE/ep (entry points)"; missing=1; }
+  compgen -G "$WHEELS/httptools-*cp312*.whl" >/dev/null || { echo "missing: $WHEELS/httptools (cp312 wheel)"; missing=1; }
+  if [ "$missing" = 0 ]; then
+    echo "staged: $(du -sh "$STAGE"/p1 "$STAGE"/p2 "$STAGE"/p3 | awk '{print $2"="$1}' | tr '\n' ' ')+ setup, models, ep, $WHEELS"
+  fi
+  return "$missing"
+}
+
+if [ "${1:-}" = "--check" ]; then
+  check
+  exit
+fi
+
+if git rev-parse --git-dir >/dev/null 2>&1; then
+  exclude="$(git rev-parse --git-dir)/info/exclude"
+  mkdir -p "$(dirname "$exclude")"
+  for item in "$STAGE" "$WHEELS"; do
+    case "$item" in /*) continue ;; esac  # outside the tree: nothing for git to ignore
+    grep -qxF "/${item#./}/" "$exclude" 2>/dev/null || echo "/${item#./}/" >> "$exclude"
+  done
+fi
+[ -d "$SHARED" ] || { echo "stage.sh: $SHARED not found (the workplace's GPU recipe; SHARED_GPU=... names it)" >&2; exit 2; }
+mkdir -p "$STAGE" "$WHEELS"
+
+if ! chunks >/dev/null; then
+  echo "[stage] vLLM 0.26.0's slim site, in chunks of $CHUNK (~3 min)"
+  rm -rf "$STAGE"/p[0-9]*
+  sed "s/split -b [0-9]*M/split -b $CHUNK/" "$SHARED/stage_vllm.sh" > "$STAGE/stage_vllm.sh"
+  bash "$STAGE/stage_vllm.sh" "$STAGE" > "$STAGE/stage.log" 2>&1 || { tail -20 "$STAGE/stage.log" >&2; exit 1; }
+  rm -rf "$STAGE/site" "$STAGE/whl" "$STAGE/slim.tar.xz"  # the chunks hold it all
+fi
+cp "$SHARED/device_setup.sh" "$STAGE/"
+[ -f "$STAGE/model-qwen3-8b/tokenizer.json" ] || "$PY" "$SHARED/make_model.py" "$STAGE/model-qwen3-8b"
+[ -f "$STAGE/model-hybrid-27b/tokenizer.json" ] \
+  || "$PY" bench/gpu/hybrid_model.py "$STAGE/model-qwen3-8b" "$STAGE/model-hybrid-27b" >/dev/null
+python3 bench/gpu/dist_info.py "$STAGE/ep" >/dev/null
+compgen -G "$WHEELS/httptools-*cp312*.whl" >/dev/null || python3 -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  -d "$WHEELS" httptools
+check
