@@ -78,6 +78,11 @@ AIM_BOUNDS = (0.5, 1.25)
 # ~300 steps to come back, every long prompt in them prefilled at half the share it could.
 AIM_RECOVER_SLACK = 0.2
 AIM_RECOVER_STEPS = 8
+# A step whose host work alone passed the target (schedule() to vLLM's loop coming back after
+# launching it: on the 27B hybrid the eager GDN path's launches, ~36 ms a mixed step on the H100
+# whatever its prefill) leaves the aim alone when it runs over: a smaller prefill would have kept
+# the host as long. The H100's slowdown slowed mixed steps and left decode-only ones (graph
+# replays, little host work) as they were.
 # A CUDA-graph size above every size measured so far is tried only where the model puts its
 # step this fraction of the target below it: the model is a line, and steps padded past a
 # matrix-product tile cost more than the line says (cost_model; H100: 256 -> 320 tokens, 40 ->
@@ -104,6 +109,14 @@ class _StepRecord:
     tokens: int
     x: tuple[float, ...]
     filled: bool = False  # its prefill took all of a pacing cap
+    output: object = None  # the SchedulerOutput, to know it when vLLM's loop comes back
+    scheduled_at: float = 0.0
+    launched_at: float | None = None  # when the loop came back after launching it (get_grammar_bitmask)
+
+    @property
+    def host_s(self) -> float | None:
+        """The engine host's work for the step, from schedule() to its launch."""
+        return None if self.launched_at is None else self.launched_at - self.scheduled_at
 
 
 class Pacer:
@@ -230,14 +243,16 @@ class Pacer:
             if cap < self.config.min_tokens:
                 return self.config.min_tokens
 
-    def feedback(self, seconds: float, filled: bool = False) -> None:
+    def feedback(self, seconds: float, filled: bool = False, host_s: float | None = None) -> None:
         """A measured step that ran prefill next to decodes (adaptive mode); ``filled``: its
-        prefill took all the cap it was given."""
+        prefill took all the cap it was given; ``host_s``: the engine host's work to launch it."""
         if self.config.mode != "adaptive" or self.config.target_itl_s is None:
             return
         target = self.config.target_itl_s
         if seconds > target:
             self.low_in_row = 0
+            if host_s is not None and host_s > target:
+                return  # the host alone passed the target: a smaller prefill would not have helped
             self.aim *= 1 - AIM_RATE
         else:
             if filled:  # a step its prompt's end or a block boundary cut short neither counts nor breaks the row
@@ -494,7 +509,7 @@ class _PacingMixin:
         x = features(decode_rows, chunks)
         prefill = sum(n for _, n in chunks)
         filled = plan.prefill_cap is not None and prefill >= plan.prefill_cap
-        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, filled))
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, filled, output, now))
         short_tokens = 0
         if arrangement is not None and (arrangement.long_ids or arrangement.waiting_order is not None):
             # a short prompt went ahead of a long one that wanted the same tokens
@@ -553,6 +568,8 @@ class _PacingMixin:
             self._trace.write(json.dumps(pending.popleft()[1], separators=(",", ":")) + "\n")
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput):
+        if self._pacing_steps and self._pacing_steps[-1].output is scheduler_output:
+            self._pacing_steps[-1].launched_at = self.pacing_clock()
         if self._trace_pending:
             self._stamp_trace(scheduler_output, "launched")
         return super().get_grammar_bitmask(scheduler_output)
@@ -584,7 +601,7 @@ class _PacingMixin:
         if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds, size=self.pacer.graph_size(measured.tokens))
             if is_mixed(measured.x):
-                self.pacer.feedback(seconds, measured.filled)
+                self.pacer.feedback(seconds, measured.filled, measured.host_s)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim)
 
 

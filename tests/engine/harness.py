@@ -196,11 +196,13 @@ class Engine:
     `pacing_clock` reads that clock.
     """
 
-    def __init__(self, scheduler, *, spec_tokens: int = 0, depth: int = 1, cost=None):
+    def __init__(self, scheduler, *, spec_tokens: int = 0, depth: int = 1, cost=None, host=None):
         self.scheduler = scheduler
         self.spec_tokens = spec_tokens
         self.depth = depth
         self.cost = cost
+        self.host = host  # host(step, scheduler) -> seconds the engine thread spends launching it
+        self.done_at: dict[int, float] = {}  # step index -> when its output reached the scheduler
         self.now = 0.0
         self.gpu_free_at = 0.0
         self.steps: list[Step] = []
@@ -230,8 +232,8 @@ class Engine:
             r.request_id for r in sched.running
             if r.num_computed_tokens >= r.num_prompt_tokens
         }
+        scheduled_at = self.now
         out = sched.schedule()
-        sched.get_grammar_bitmask(out)  # as vLLM's engine loop, once the step is launched
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid not in decoding)
         step = Step(out, decoding, prefill,
                     {rid: n for rid, n in out.num_scheduled_tokens.items() if rid in decoding},
@@ -239,9 +241,13 @@ class Engine:
                      for rid in out.num_scheduled_tokens if rid not in decoding})
         self.steps.append(step)
         index = len(self.steps) - 1
+        if self.host is not None:  # the engine thread prepares and launches the step meanwhile
+            self.now += self.host(step, sched)
+        sched.get_grammar_bitmask(out)  # as vLLM's engine loop, once the step is launched
         duration = self.cost(step, sched) if self.cost else 0.0
         self.durations.append(duration)
-        end = max(self.now, self.gpu_free_at) + duration
+        # the GPU runs the step after the one before it, and not past its last launch
+        end = max(self.now, max(scheduled_at, self.gpu_free_at) + duration)
         self.gpu_free_at = end
         self._in_flight.append((index, out, end))
         if len(self._in_flight) >= self.depth or not sched.has_requests():
@@ -252,6 +258,7 @@ class Engine:
         for _ in range(len(self._in_flight) if n is None else n):
             index, out, end = self._in_flight.pop(0)
             self.now = max(self.now, end)
+            self.done_at[index] = self.now
             self._complete(index, out)
 
     def run(self, until, max_steps: int = 100_000) -> None:

@@ -314,6 +314,16 @@ def test_feedback_tracks_the_exceedance_quantile():
     assert 0.75 <= filled.aim <= 0.85
 
 
+
+def test_a_step_whose_host_work_alone_passed_the_target_leaves_the_aim():
+    pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))
+    pacer.feedback(0.047, filled=True, host_s=0.045)  # the host took longer than the target
+    assert pacer.aim == 0.95
+    pacer.feedback(0.047, filled=True, host_s=0.030)  # the GPU's part made it late
+    assert pacer.aim == pytest.approx(0.95 * (1 - AIM_RATE))
+    pacer.feedback(0.047, filled=True)  # the host's time not known (a loop that did not call)
+    assert pacer.aim == pytest.approx(0.95 * (1 - AIM_RATE) ** 2)
+
 def test_the_aim_returns_as_fast_as_it_fell_only_after_a_row_of_filled_steps_well_under():
     pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))
     pacer.aim = 0.5
