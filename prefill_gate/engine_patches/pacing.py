@@ -72,7 +72,7 @@ AIM_BOUNDS = (0.5, 1.25)
 # After AIM_RECOVER_STEPS mixed steps in a row that filled their caps and each ran more than
 # AIM_RECOVER_SLACK of the target under it, the aim rises at AIM_RATE, as fast as a step over the
 # target lowers it: the pacer aims low, not a lucky step (at the quantile, with steps' jitter up
-# to +-20%, eight such steps in a row come less than once in a thousand). After a slowdown no cap
+# to +-20%, eight such steps in a row come about 3 times in 10,000). After a slowdown no cap
 # could escape (every step ~45 ms on the H100 whatever its prefill, bench/results/hybrid/h100/
 # run-5b8f30f/) the aim sat at its floor and, at the quantile's slow rise (0.2% a step), took
 # ~300 steps to come back, every long prompt in them prefilled at half the share it could.
@@ -555,10 +555,10 @@ class _PacingMixin:
         self._trace_pending.append((output, record))
         self._flush_trace()
 
-    def _stamp_trace(self, output: SchedulerOutput, key: str) -> None:
+    def _stamp_trace(self, output: SchedulerOutput, key: str, now: float) -> None:
         for pending, record in self._trace_pending:
             if pending is output:
-                record[key] = round(self.pacing_clock(), 6)
+                record[key] = round(now, 6)
                 return
 
     def _flush_trace(self, everything: bool = False) -> None:
@@ -568,15 +568,18 @@ class _PacingMixin:
             self._trace.write(json.dumps(pending.popleft()[1], separators=(",", ":")) + "\n")
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput):
+        """vLLM's engine loop calls this right after launching the step (both loops): the host's
+        work for the step ends here."""
         if self._pacing_steps and self._pacing_steps[-1].output is scheduler_output:
-            self._pacing_steps[-1].launched_at = self.pacing_clock()
-        if self._trace_pending:
-            self._stamp_trace(scheduler_output, "launched")
+            now = self.pacing_clock()
+            self._pacing_steps[-1].launched_at = now
+            if self._trace_pending:
+                self._stamp_trace(scheduler_output, "launched", now)
         return super().get_grammar_bitmask(scheduler_output)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
         if self._trace_pending:
-            self._stamp_trace(scheduler_output, "done")
+            self._stamp_trace(scheduler_output, "done", self.pacing_clock())
             self._flush_trace()
         return super().update_from_output(scheduler_output, model_runner_output)
 
