@@ -430,13 +430,32 @@ def paced_pair_steps(cls, depth, tiny_model) -> list[float]:
     return [d for s, d in zip(engine.steps, engine.durations) if s.prefill_tokens and s.decoding]
 
 
+def three_long_prompts(engine, slowdown) -> tuple[list[float], float]:
+    """One stream, then three 28.6k-token prompts one after another, the stream decoding alone for
+    200 steps between them; ``slowdown()`` is called at the second prompt's 40th step. Each prompt's
+    time to its first token, and the stream's worst gap between tokens beside any of them."""
+    engine.add(40, 20_000, "B")
+    engine.run(lambda: "B" in engine.first_token)
+    seconds, worst = [], 0.0
+    for turn in range(3):
+        began, start = engine.now, len(engine.steps)
+        engine.add(28_600, 10, f"A{turn}")
+        if turn == 1:
+            engine.run(lambda: len(engine.steps) >= start + 40)
+            slowdown()
+        engine.run(lambda t=turn: f"A{t}" in engine.first_token, max_steps=5000)
+        seconds.append(engine.now - began)
+        tokens = [engine.done_at[i] for i in range(start, len(engine.steps))
+                  if "B" in engine.steps[i].decode_tokens and i in engine.done_at]
+        worst = max(worst, *(b - a for a, b in zip(tokens, tokens[1:])))
+        engine.run(lambda n=len(engine.steps): len(engine.steps) >= n + 200)
+    return seconds, worst
+
 
 def long_prompt_seconds(cls, depth, tiny_model, *, slowdown_steps: int = 0) -> tuple[list[float], float]:
-    """Three long prompts beside one stream on the hybrid's law, B decoding alone for 200 steps
-    between them; with ``slowdown_steps``, that many steps from the second prompt's 40th take
-    45 ms whatever their prefill (the H100's slowdown, bench/results/hybrid/h100/run-5b8f30f/:
-    16 prefill tokens as dear as 255). Each prompt's time to its first token, and B's worst
-    step beside any of them."""
+    """`three_long_prompts` on the hybrid's law; the slowdown makes that many steps take 45 ms
+    whatever their prefill (the H100's, bench/results/hybrid/h100/run-5b8f30f/: 16 prefill tokens
+    as dear as 255)."""
     law = tiled_cost(HYBRID_GRAPH_SIZES)
     slow = {"left": 0}
 
@@ -447,20 +466,7 @@ def long_prompt_seconds(cls, depth, tiny_model, *, slowdown_steps: int = 0) -> t
         return law(step, scheduler)
 
     engine = Engine(make(cls, depth, tiny_model, graph_sizes=HYBRID_GRAPH_SIZES), depth=depth, cost=cost)
-    engine.add(40, 20_000, "B")
-    engine.run(lambda: "B" in engine.first_token)
-    seconds, first = [], len(engine.steps)
-    for turn in range(3):
-        began, start = engine.now, len(engine.steps)
-        engine.add(28_600, 10, f"A{turn}")
-        if turn == 1 and slowdown_steps:
-            engine.run(lambda: len(engine.steps) >= start + 40)
-            slow["left"] = slowdown_steps
-        engine.run(lambda t=turn: f"A{t}" in engine.first_token, max_steps=5000)
-        seconds.append(engine.now - began)
-        engine.run(lambda n=len(engine.steps): len(engine.steps) >= n + 200)
-    worst = max(d for s, d in zip(engine.steps[first:], engine.durations[first:]) if s.prefill_tokens and s.decoding)
-    return seconds, worst
+    return three_long_prompts(engine, lambda: slow.update(left=slowdown_steps))
 
 
 @pytest.mark.parametrize("cls,depth", CLASSES)
@@ -488,14 +494,12 @@ def test_a_slowdown_no_cap_escapes_costs_the_long_prompt_only_while_it_lasts(cls
     assert during > 1.6 * calm  # the bound above fails
 
 
-
 def host_bound_pair(tiny_model, *, slow_host_steps: int = 0) -> tuple[list[float], float]:
-    """The pair's three long prompts on the async loop where the engine's host launches each mixed
-    step in 36 ms (the 27B hybrid's eager GDN path on the H100, bench/results/hybrid/h100/
-    run-5b8f30f/: decode-only steps, graph replays, 2 ms) and the GPU runs the hybrid's law; with
-    ``slow_host_steps``, that many steps from the second prompt's 40th take the host 46 ms (decode-
-    only steps were untouched by the H100's slowdown: the host's, not the GPU's). Each prompt's time
-    to its first token, and the stream's worst gap between tokens beside any of them."""
+    """`three_long_prompts` on the async loop where the engine's host launches each mixed step in
+    36 ms (the 27B hybrid's eager GDN path on the H100, bench/results/hybrid/h100/run-5b8f30f/;
+    decode-only steps, graph replays, 2 ms) and the GPU runs the hybrid's law; the slowdown makes
+    the host take 46 ms for that many steps (decode-only steps were untouched by the H100's
+    slowdown: the host's, not the GPU's)."""
     law = tiled_cost(HYBRID_GRAPH_SIZES)
     slow = {"left": 0}
 
@@ -507,22 +511,7 @@ def host_bound_pair(tiny_model, *, slow_host_steps: int = 0) -> tuple[list[float
 
     engine = Engine(make(PacedAsyncScheduler, 2, tiny_model, graph_sizes=HYBRID_GRAPH_SIZES), depth=2,
                     cost=law, host=host)
-    engine.add(40, 20_000, "B")
-    engine.run(lambda: "B" in engine.first_token)
-    seconds, worst = [], 0.0
-    for turn in range(3):
-        began, start = engine.now, len(engine.steps)
-        engine.add(28_600, 10, f"A{turn}")
-        if turn == 1 and slow_host_steps:
-            engine.run(lambda: len(engine.steps) >= start + 40)
-            slow["left"] = slow_host_steps
-        engine.run(lambda t=turn: f"A{t}" in engine.first_token, max_steps=5000)
-        seconds.append(engine.now - began)
-        engine.drain()
-        tokens = [engine.done_at[i] for i in range(start, len(engine.steps)) if "B" in engine.steps[i].decode_tokens]
-        worst = max(worst, *(b - a for a, b in zip(tokens, tokens[1:])))
-        engine.run(lambda n=len(engine.steps): len(engine.steps) >= n + 100)
-    return seconds, worst
+    return three_long_prompts(engine, lambda: slow.update(left=slow_host_steps))
 
 
 def test_a_host_slowdown_leaves_the_aim_alone(tiny_model, pacing_env, monkeypatch):
