@@ -33,8 +33,8 @@ size's excess never goes stale while the line moves): the pacer steps down from 
 steps miss the target.
 
 A size's excess is what it costs beside the other sizes, not beside a quiet machine: every
-mixed step also moves a drift, a running mean of how far mixed steps of every size came out
-above the line, and each size's step keeps the drift it ran in; its residual counts less that
+mixed step also moves a drift, the median of how far the latest mixed steps of every size came
+out above the line, and each size's step keeps the drift it ran in; its residual counts less that
 drift. On the H100 a 3.5 s slowdown made every mixed step ~45 ms whatever its size (16 prefill
 tokens as dear as 255; bench/results/hybrid/h100/run-5b8f30f/): without the drift it condemned
 every size in use, the cap fell to 15 tokens, and the sizes it left were never run again to
@@ -45,6 +45,7 @@ beside 256) still stands out: its steps run above the drift the others set.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 N_FEATURES = 4
@@ -83,7 +84,7 @@ class StepCostModel:
         self._dirty = False
         # CUDA-graph size -> its latest mixed steps (features, seconds, the drift they ran in)
         self._sizes: dict[int, deque[tuple[tuple[float, ...], float, float]]] = {}
-        self._residuals: deque[float] = deque(maxlen=DRIFT_STEPS)  # the latest mixed steps'
+        self._residuals: deque[float] = deque(maxlen=DRIFT_STEPS)  # the latest mixed steps' residuals
 
     @property
     def samples(self) -> int:
@@ -108,7 +109,7 @@ class StepCostModel:
     def drift(self) -> float:
         """How far the latest mixed steps, of every size, ran above the line at the time
         (seconds, the median of DRIFT_STEPS)."""
-        return _median(self._residuals) if self._residuals else 0.0
+        return statistics.median(self._residuals) if self._residuals else 0.0
 
     def excess(self, size: int) -> float | None:
         """How far the latest mixed steps padded to CUDA-graph ``size`` ran above the line as
@@ -118,7 +119,7 @@ class StepCostModel:
         if not steps:
             return None
         theta = self.coefficients
-        return _median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift in steps])
+        return statistics.median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift in steps])
 
     @property
     def largest_measured_size(self) -> int:
@@ -183,12 +184,6 @@ class StepCostModel:
         ]
         theta = solve_augmented(m, 1e-18)
         return self._theta if theta is None else tuple(theta)
-
-
-def _median(values) -> float:
-    ranked = sorted(values)
-    mid = len(ranked) // 2
-    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def solve_augmented(m: list[list[float]], tiny: float) -> list[float] | None:
