@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,6 @@ def test_stage_builds_what_a_device_call_ships_and_its_check_finds_what_is_wrong
     check = subprocess.run(["bash", script, "--check"], env=env, capture_output=True, text=True, timeout=60)
     assert check.returncode == 1
     assert "stale:" in check.stdout and "model-qwen3-8b" in check.stdout and "staged:" not in check.stdout
+    shutil.rmtree(stage / "p2")  # a chunk left behind: p1, p3
+    gap = subprocess.run(["bash", script, "--check"], env=env, capture_output=True, text=True, timeout=60)
+    assert gap.returncode == 1 and f"missing: {stage}/p2" in gap.stdout

@@ -6,8 +6,9 @@
 #   bash bench/gpu/stage.sh --check    # only check: what is there, what is missing (exit 1 if any)
 #
 # Builds, in the repository's ignored folders (added to .git/info/exclude):
-#   .gpu/p1 .gpu/p2 .gpu/p3    vLLM 0.26.0's slim site in 40 MiB chunks: one per call, beside the
-#                              ~17 MiB tracked tree, under the 64 MiB a call may carry
+#   .gpu/p1 .gpu/p2 ...        vLLM 0.26.0's slim site (~92 MiB) in chunks of 32 MiB (CHUNK_MIB):
+#                              one per call, beside the ~24 MiB tracked tree, under the 64 MiB a
+#                              call may carry (--check says when the tree has grown past that)
 #   .gpu/device_setup.sh       `stash` a chunk / `setup` (assemble, unpack once, export PYTHONPATH)
 #   .gpu/model-qwen3-8b        the dense model's folder (config + 256-token tokenizer; dummy weights)
 #   .gpu/model-hybrid-27b      the 27B Gated DeltaNet hybrid's folder (bench/gpu/hybrid_model.py)
@@ -19,24 +20,39 @@ cd "$(dirname "$0")/../.."
 STAGE=${STAGE_DIR:-.gpu}
 WHEELS=${WHEEL_DIR:-.whl}
 SHARED=${SHARED_GPU:-../shared/gpu}
-CHUNK=40M
+CHUNK=${CHUNK_MIB:-32}M
+CHUNK_BYTES=$(( ${CHUNK:0:-1} * 1048576 ))
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python  # has tokenizers, which the model folders need
 
-chunks() {  # vLLM's site: p1-p3 present, each under 40 MiB, all of one build
-  local bad=0 item sha
-  for item in p1 p2 p3; do
-    if ! compgen -G "$STAGE/$item/slim.tar.xz.part*" >/dev/null || [ ! -s "$STAGE/$item/slim.tar.xz.sha256" ]; then
-      echo "missing: $STAGE/$item (a chunk of vLLM's site)"; bad=1
-    elif [ -n "$(find "$STAGE/$item" -name 'slim.tar.xz.part*' -size +41943040c)" ]; then
-      echo "too big: $STAGE/$item (over 40 MiB: with the tree it would pass a call's 64 MiB)"; bad=1
+chunks() {  # vLLM's site: p1..pN present, in order, each at most CHUNK, all of one build, each
+  # small enough to travel beside the tracked tree (a call carries 64 MiB in all)
+  local bad=0 item sha i=1 tree biggest
+  compgen -G "$STAGE/p[0-9]*" >/dev/null || { echo "missing: $STAGE/p1 (a chunk of vLLM's site)"; return 1; }
+  for item in $(ls -d "$STAGE"/p[0-9]* | sort -V); do
+    if [ "$item" != "$STAGE/p$i" ]; then
+      echo "missing: $STAGE/p$i (chunks go p1, p2, ... with no gap; found $item)"; bad=1; break
+    elif ! compgen -G "$item/slim.tar.xz.part*" >/dev/null || [ ! -s "$item/slim.tar.xz.sha256" ]; then
+      echo "missing: $item/slim.tar.xz.part* or its .sha256 (a chunk of vLLM's site)"; bad=1
+    elif [ -n "$(find "$item" -name 'slim.tar.xz.part*' -size +"$CHUNK_BYTES"c)" ]; then
+      echo "too big: $item (over $CHUNK: made by another split; run this script to split again)"; bad=1
     fi
+    i=$((i + 1))
   done
   if [ "$bad" = 0 ]; then
     sha=$(cat "$STAGE/p1/slim.tar.xz.sha256")
     for item in "$STAGE"/p*/slim.tar.xz.sha256; do
       [ "$(cat "$item")" = "$sha" ] || { echo "stale: $item (chunks of two different builds)"; bad=1; }
     done
+  fi
+  if [ "$bad" = 0 ] && git rev-parse --git-dir >/dev/null 2>&1; then
+    tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+    biggest=$(find "$STAGE"/p[0-9]* -name 'slim.tar.xz.part*' -printf '%s\n' | sort -n | tail -1)
+    if [ $((tree + biggest)) -gt $((62 * 1048576)) ]; then
+      echo "too big: the tracked tree ($((tree / 1048576)) MiB) and a chunk ($((biggest / 1048576)) MiB)" \
+           "pass the 62 MiB a call may carry with room for the setup script (CHUNK_MIB=... splits smaller)"
+      bad=1
+    fi
   fi
   return "$bad"
 }
@@ -52,7 +68,7 @@ check() {
   compgen -G "$STAGE/ep/*.dist-info/entry_points.txt" >/dev/null || { echo "missing: $STAGE/ep (entry points)"; missing=1; }
   compgen -G "$WHEELS/httptools-*cp312*.whl" >/dev/null || { echo "missing: $WHEELS/httptools (cp312 wheel)"; missing=1; }
   if [ "$missing" = 0 ]; then
-    echo "staged: $(du -sh "$STAGE"/p1 "$STAGE"/p2 "$STAGE"/p3 | awk '{print $2"="$1}' | tr '\n' ' ')+ setup, models, ep, $WHEELS"
+    echo "staged: $(du -sh "$STAGE"/p[0-9]* | awk '{print $2"="$1}' | tr '\n' ' ')+ setup, models, ep, $WHEELS"
   fi
   return "$missing"
 }
@@ -74,11 +90,18 @@ fi
 mkdir -p "$STAGE" "$WHEELS"
 
 if ! chunks >/dev/null; then
-  echo "[stage] vLLM 0.26.0's slim site, in chunks of $CHUNK (~3 min)"
   rm -rf "$STAGE"/p[0-9]*
-  sed "s/split -b [0-9]*M/split -b $CHUNK/" "$SHARED/stage_vllm.sh" > "$STAGE/stage_vllm.sh"
-  bash "$STAGE/stage_vllm.sh" "$STAGE" > "$STAGE/stage.log" 2>&1 || { tail -20 "$STAGE/stage.log" >&2; exit 1; }
-  rm -rf "$STAGE/site" "$STAGE/whl" "$STAGE/slim.tar.xz"  # the chunks hold it all
+  if [ -s "$STAGE/slim.tar.xz" ] && [ -s "$STAGE/slim.tar.xz.sha256" ] \
+      && [ "$(sha256sum "$STAGE/slim.tar.xz" | cut -d' ' -f1)" = "$(cat "$STAGE/slim.tar.xz.sha256")" ]; then
+    echo "[stage] vLLM 0.26.0's slim site (built before), split again in chunks of $CHUNK"
+    (cd "$STAGE" && split -b "$CHUNK" -d slim.tar.xz slim.tar.xz.part \
+      && i=1 && for f in slim.tar.xz.part*; do mkdir -p "p$i" && mv "$f" "p$i/" && cp slim.tar.xz.sha256 "p$i/"; i=$((i + 1)); done)
+  else
+    echo "[stage] vLLM 0.26.0's slim site, in chunks of $CHUNK (~3 min)"
+    sed "s/split -b [0-9]*M/split -b $CHUNK/" "$SHARED/stage_vllm.sh" > "$STAGE/stage_vllm.sh"
+    bash "$STAGE/stage_vllm.sh" "$STAGE" > "$STAGE/stage.log" 2>&1 || { tail -20 "$STAGE/stage.log" >&2; exit 1; }
+    rm -rf "$STAGE/site" "$STAGE/whl"  # the chunks and slim.tar.xz (kept to split again) hold it all
+  fi
 fi
 cp "$SHARED/device_setup.sh" "$STAGE/"
 [ -f "$STAGE/model-qwen3-8b/tokenizer.json" ] || "$PY" "$SHARED/make_model.py" "$STAGE/model-qwen3-8b"
