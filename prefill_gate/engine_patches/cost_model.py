@@ -82,8 +82,10 @@ class StepCostModel:
         self._theta: tuple[float, ...] = PRIOR
         self._mixed = 0
         self._dirty = False
-        # CUDA-graph size -> its latest mixed steps (features, seconds, the drift they ran in)
-        self._sizes: dict[int, deque[tuple[tuple[float, ...], float, float]]] = {}
+        # CUDA-graph size -> its latest mixed steps (features, seconds, the drift they ran in,
+        # the count of mixed steps measured when they were)
+        self._sizes: dict[int, deque[tuple[tuple[float, ...], float, float, int]]] = {}
+        self._mixed_seen = 0
         self._residuals: deque[float] = deque(maxlen=DRIFT_STEPS)  # the latest mixed steps' residuals
 
     @property
@@ -119,7 +121,16 @@ class StepCostModel:
         if not steps:
             return None
         theta = self.coefficients
-        return statistics.median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift in steps])
+        return statistics.median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift, _ in steps])
+
+    def measured(self, size: int, within: int) -> float | None:
+        """What the mixed steps padded to CUDA-graph ``size`` took, of those among the latest
+        ``within`` mixed steps (seconds, the median; None if none), for a host-bound engine, whose
+        sizes the line cannot price. Only recent steps count: a size condemned in a slowdown is
+        not run again to clear it, so its old steps must age out."""
+        steps = self._sizes.get(size, ())
+        recent = [y for _, y, _, seen in steps if seen > self._mixed_seen - within]
+        return statistics.median(recent) if recent else None
 
     @property
     def largest_measured_size(self) -> int:
@@ -136,9 +147,10 @@ class StepCostModel:
             return
         if is_mixed(x):
             drift = self.drift
+            self._mixed_seen += 1
             self._residuals.append(seconds - self.predict(x))
             if size is not None:
-                self._sizes.setdefault(size, deque(maxlen=SIZE_WINDOW)).append((x, seconds, drift))
+                self._sizes.setdefault(size, deque(maxlen=SIZE_WINDOW)).append((x, seconds, drift, self._mixed_seen))
         window = self._windows[x[2] > 0]
         if len(window) == window.maxlen:
             old_x, old_y = window[0]

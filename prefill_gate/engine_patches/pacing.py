@@ -42,6 +42,7 @@ import bisect
 import json
 import math
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -78,11 +79,20 @@ AIM_BOUNDS = (0.5, 1.25)
 # ~300 steps to come back, every long prompt in them prefilled at half the share it could.
 AIM_RECOVER_SLACK = 0.2
 AIM_RECOVER_STEPS = 8
-# A step whose host work alone passed the target (schedule() to vLLM's loop coming back after
-# launching it: on the 27B hybrid the eager GDN path's launches, ~36 ms a mixed step on the H100
-# whatever its prefill) leaves the aim alone when it runs over: a smaller prefill would have kept
-# the host as long. The H100's slowdown slowed mixed steps and left decode-only ones (graph
-# replays, little host work) as they were.
+# A mixed step whose host work (schedule() to vLLM's loop coming back after launching it) was at
+# least HOST_SHARE of its time is host-bound: on the 27B hybrid the eager GDN path's launches,
+# ~36 ms of a ~39 ms mixed step on the H100 whatever its prefill (16 tokens or 256; decode steps,
+# graph replays, 4 ms of 20; bench/results/hybrid/h100/run-1a80097/). Such a step leaves the aim
+# alone when it runs over: a smaller prefill would have kept the host as long. And while the
+# median of the latest HOST_STEPS mixed steps is host-bound, the line cannot tell what a prefill
+# costs (at a 40 ms target on the H100 it put the host's time on the attention term, the cap fell
+# to ~15 tokens and long prompts took 12.3x their time alone): the pacer then runs CAP_TOKENS,
+# stepping down from CUDA-graph sizes whose measured steps ran over the target.
+HOST_SHARE = 0.8
+HOST_STEPS = 16
+# A size's steps count for this many mixed steps: a size the cap stepped down from is run again
+# once they have aged out (a host slowdown makes every size dear while it lasts).
+HOST_SIZE_STEPS = 64
 # A CUDA-graph size above every size measured so far is tried only where the model puts its
 # step this fraction of the target below it: the model is a line, and steps padded past a
 # matrix-product tile cost more than the line says (cost_model; H100: 256 -> 320 tokens, 40 ->
@@ -137,11 +147,21 @@ class Pacer:
         self.deferred_in_row = 0
         self.aim = 0.95
         self.low_in_row = 0  # filled mixed steps in a row well under the target (adaptive)
+        self._host_steps: deque[tuple[float, float]] = deque(maxlen=HOST_STEPS)  # mixed: (host s, s)
 
     @property
     def cap_block(self) -> int | None:
         """The unit caps are rounded to: the KV block in align mode, unless SUB_BLOCK."""
         return None if self.config.sub_block else self.block_size
+
+    @property
+    def host_bound(self) -> bool:
+        """Are the latest mixed steps bound by the engine's host (their median host work at least
+        HOST_SHARE of their median time)?"""
+        steps = self._host_steps
+        if len(steps) < MIN_FIT_SAMPLES:
+            return False
+        return statistics.median(h for h, _ in steps) >= HOST_SHARE * statistics.median(t for _, t in steps)
 
     @property
     def graph_limit(self) -> int | None:
@@ -192,6 +212,10 @@ class Pacer:
             return self.config.cap_tokens
         assert self.config.target_itl_s is not None
         target = self.config.target_itl_s
+        if self.host_bound and self.graph_sizes and self.config.graph_align:
+            if statistics.median(h for h, _ in self._host_steps) >= target:
+                return None  # the host alone takes longer than the target: no cap would do
+            return self._within_measured_sizes(self.config.cap_tokens, decode_rows, target)
         base = self.model.predict(features(decode_rows, []))
         if base >= target:
             return None
@@ -201,6 +225,24 @@ class Pacer:
             return self.config.cap_tokens
         return self._within_graph_costs(max(self.config.min_tokens, int(n)), decode_rows, prefill_start,
                                         min(aimed, target))
+
+    def _within_measured_sizes(self, cap: int, decode_tokens: int, budget_s: float) -> int:
+        """The cap on a host-bound engine: lowered past the CUDA-graph sizes whose recent mixed
+        steps (HOST_SIZE_STEPS) took more than ``budget_s`` (the median, as measured: the line
+        cannot price them); sizes with none are taken as they come."""
+        sizes = self.graph_sizes
+        cap = self._fit_cap(cap, decode_tokens)
+        while True:
+            size = self.graph_size(decode_tokens + cap)
+            if size is None:
+                return cap  # an eager step: no size to judge
+            measured = self.model.measured(size, within=HOST_SIZE_STEPS)
+            i = bisect.bisect_left(sizes, size)
+            if measured is None or measured <= budget_s or i == 0 or sizes[i - 1] <= decode_tokens:
+                return cap
+            cap = sizes[i - 1] - decode_tokens
+            if cap < self.config.min_tokens:
+                return self.config.min_tokens
 
     def graph_size(self, tokens: int) -> int | None:
         """The CUDA-graph size a mixed step of ``tokens`` is padded to; None: it runs eagerly."""
@@ -249,10 +291,12 @@ class Pacer:
         if self.config.mode != "adaptive" or self.config.target_itl_s is None:
             return
         target = self.config.target_itl_s
+        if host_s is not None:
+            self._host_steps.append((host_s, seconds))
         if seconds > target:
             self.low_in_row = 0
-            if host_s is not None and host_s > target:
-                return  # the host alone passed the target: a smaller prefill would not have helped
+            if host_s is not None and host_s >= HOST_SHARE * seconds:
+                return  # the host's step: a smaller prefill would have kept the host as long
             self.aim *= 1 - AIM_RATE
         else:
             if filled:  # a step its prompt's end or a block boundary cut short neither counts nor breaks the row
@@ -538,7 +582,7 @@ class _PacingMixin:
         t`) plus the wait for the step before it: the previous step's time where the GPU is
         the bottleneck, about nothing where the host is. `unix`: the same moment as `t` on the
         wall clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
-        `t0_unix`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager). A
+        `t0_unix`). `host_bound`: the cap came from the sizes' measured steps (`Pacer.host_bound`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager). A
         line is written once its step's output came back, so lines stay in step order."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
@@ -549,6 +593,7 @@ class _PacingMixin:
             "short_first_tokens": short_tokens,
             "aim": round(self.pacer.aim, 4) if adaptive else None,
             "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
+            "host_bound": self.pacer.host_bound if adaptive else None,
             "graph_size": self.pacer.graph_size(output.total_num_scheduled_tokens),
             "launched": None, "done": None,
         }
@@ -605,7 +650,7 @@ class _PacingMixin:
             self.pacer.model.observe(measured.x, seconds, size=self.pacer.graph_size(measured.tokens))
             if is_mixed(measured.x):
                 self.pacer.feedback(seconds, measured.filled, measured.host_s)
-            self.pacing_telemetry.fitted(seconds, self.pacer.aim)
+            self.pacing_telemetry.fitted(seconds, self.pacer.aim, self.pacer.host_bound)
 
 
 def _mixed_step_graph_sizes(vllm_config) -> tuple[int, ...]:

@@ -95,6 +95,7 @@ class PacingTelemetry:
         self.unreachable_steps = 0
         self.short_first_steps = 0
         self.aim = 1.0
+        self.host_bound = False
         self._next_log = clock() + config.log_interval_s
         self.metrics: PacingMetrics | None = None
         if registry is not None or config.metrics_port:
@@ -139,8 +140,9 @@ class PacingTelemetry:
             self._next_log = self.clock() + self.config.log_interval_s
             logger.info("prefill-gate pacing %s", json.dumps(self.summary(), sort_keys=True))
 
-    def fitted(self, seconds: float, aim: float = 1.0) -> None:
+    def fitted(self, seconds: float, aim: float = 1.0, host_bound: bool = False) -> None:
         self.aim = aim
+        self.host_bound = host_bound
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
             self.metrics.aim.set(aim)
@@ -159,6 +161,8 @@ class PacingTelemetry:
             out["model"] = {
                 "samples": self.model.samples,
                 "aim": round(self.aim, 4),
+                # the latest mixed steps were the host's: caps from sizes' measured steps, not the line
+                "host_bound": self.host_bound,
                 "target_unreachable_steps": self.unreachable_steps,
                 **{t: round(c, 7) for t, c in zip(TERMS, self.model.coefficients)},
                 # how far the latest mixed steps of every size ran above the line (a slowdown)

@@ -315,14 +315,52 @@ def test_feedback_tracks_the_exceedance_quantile():
 
 
 
-def test_a_step_whose_host_work_alone_passed_the_target_leaves_the_aim():
+def test_a_host_bound_step_over_the_target_leaves_the_aim():
     pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))
     pacer.feedback(0.047, filled=True, host_s=0.045)  # the host took longer than the target
+    assert pacer.aim == 0.95
+    pacer.feedback(0.047, filled=True, host_s=0.040)  # under the target, but most of the step
     assert pacer.aim == 0.95
     pacer.feedback(0.047, filled=True, host_s=0.030)  # the GPU's part made it late
     assert pacer.aim == pytest.approx(0.95 * (1 - AIM_RATE))
     pacer.feedback(0.047, filled=True)  # the host's time not known (a loop that did not call)
     assert pacer.aim == pytest.approx(0.95 * (1 - AIM_RATE) ** 2)
+
+
+def test_a_host_bound_engine_runs_the_cap_down_only_from_sizes_measured_over_the_target():
+    """The H100's 27B hybrid at a 40 ms target: mixed steps ~39 ms whatever their prefill, the
+    host's ~36 of it. The line put the host's time on the attention term and the cap at ~15
+    tokens. Host-bound, the pacer runs CAP_TOKENS and steps down from graph sizes whose recent
+    steps ran over the target; a size's steps age out, so a slowdown condemns none for good."""
+    pacer = Pacer(PacingConfig(mode="adaptive", cap_tokens=256, target_itl_s=0.040, min_tokens=16),
+                  graph_sizes=SIZES)
+    model = pacer.model
+    for start in range(0, 24 * 800, 800):  # a long prompt's chunks, each ~39 ms, 36 of it the host's
+        n = 63 if start < 8 * 800 else 255
+        model.observe(features(7, [(start, n)]), 0.039, size=n + 1)
+        pacer.feedback(0.039, filled=True, host_s=0.036)
+    assert pacer.host_bound
+    # what the line alone makes of it: ~39 ms at 64 and at 256 tokens, ~20 ms decode steps
+    for _ in range(64):
+        model.observe(features(7, []), 0.020)
+    assert pacer.model.prefill_budget(0.0395, 7, 20_000) < 200  # 256 ran in 39 ms
+    assert plan(pacer, decode_tokens=7, prefill_start=20_000).prefill_cap == 249  # 256: 39 ms measured
+    for _ in range(8):  # 256-token steps over the target: down to the next size
+        model.observe(features(7, [(20_000, 249)]), 0.043, size=256)
+        pacer.feedback(0.043, filled=True, host_s=0.036)
+    assert plan(pacer, decode_tokens=7, prefill_start=20_000).prefill_cap == 217
+    for start in range(0, 64 * 200, 200):  # 64 mixed steps later those steps have aged out
+        model.observe(features(7, [(start, 193)]), 0.038, size=200)
+    assert plan(pacer, decode_tokens=7, prefill_start=20_000).prefill_cap == 249
+    for _ in range(16):  # the host alone over the target: no cap would do, CAP_TOKENS
+        pacer.feedback(0.046, filled=True, host_s=0.044)
+    unreachable = plan(pacer, decode_tokens=7, prefill_start=20_000)
+    assert unreachable.unreachable and unreachable.prefill_cap == 249
+    gpu_bound = Pacer(PacingConfig(mode="adaptive", cap_tokens=256, target_itl_s=0.040, min_tokens=16),
+                      graph_sizes=SIZES)
+    for _ in range(16):
+        gpu_bound.feedback(0.039, filled=True, host_s=0.012)
+    assert not gpu_bound.host_bound
 
 def test_the_aim_returns_as_fast_as_it_fell_only_after_a_row_of_filled_steps_well_under():
     pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))

@@ -59,13 +59,27 @@ def environment() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return {
-        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "machine": {"host": platform.node(), "cpu": _cpu_model(),
                     "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version(),
                     "gpu": gpu},
         "versions": versions,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:]),
         **git_state(),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name where Linux says it (/proc/cpuinfo), else what platform knows: a
+    host-bound engine's steps follow it (the 27B hybrid's smallest mixed steps took ~26 ms on one
+    H100 machine and ~38 ms on another, decode steps ~20 ms on both)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _fmt(v) -> str:
