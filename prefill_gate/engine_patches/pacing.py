@@ -154,6 +154,14 @@ class Pacer:
         """The unit caps are rounded to: the KV block in align mode, unless SUB_BLOCK."""
         return None if self.config.sub_block else self.block_size
 
+    def take_measurements(self, old: Pacer) -> None:
+        """Carry what ``old`` measured of the engine over to this pacer (new settings, the same
+        engine): its mixed steps' host work, and its aim where the target is the same (the aim is
+        learned for a target)."""
+        self._host_steps = old._host_steps
+        if self.config.target_itl_s == old.config.target_itl_s:
+            self.aim = old.aim
+
     @property
     def host_bound(self) -> bool:
         """Are the latest mixed steps bound by the engine's host (their median host work at least
@@ -415,8 +423,7 @@ class _PacingMixin:
             return
         old = self.pacer
         self.pacer = Pacer(config, block_size=old.block_size, graph_sizes=self._graph_sizes, model=old.model)
-        if config.target_itl_s == old.config.target_itl_s:
-            self.pacer.aim = old.aim  # the aim learned for this target still holds
+        self.pacer.take_measurements(old)
         self.pacing_telemetry.config = config
         self._log_pacing()
 
@@ -582,8 +589,9 @@ class _PacingMixin:
         t`) plus the wait for the step before it: the previous step's time where the GPU is
         the bottleneck, about nothing where the host is. `unix`: the same moment as `t` on the
         wall clock, to set the steps beside a client's record of its gaps (`bench mixed`'s
-        `t0_unix`). `host_bound`: the cap came from the sizes' measured steps (`Pacer.host_bound`). `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager). A
-        line is written once its step's output came back, so lines stay in step order."""
+        `t0_unix`). `host_bound`: the cap came from the sizes' measured steps (`Pacer.host_bound`).
+        `graph_size`: the CUDA-graph size vLLM pads the step to (null: eager). A line is written
+        once its step's output came back, so lines stay in step order."""
         adaptive = self.pacer.config.mode == "adaptive"
         record = {
             "step": self.current_step, "t": round(now, 6), "unix": round(time.time(), 4),

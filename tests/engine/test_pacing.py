@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
 import random
 import statistics
 
@@ -635,3 +637,37 @@ def test_adaptive_steps_down_from_a_graph_size_that_costs_more_than_the_line(cls
     # the line alone, as before: the aim tracker pushes into the dear size and streams pay for it
     monkeypatch.setattr(Pacer, "_within_graph_costs", lambda self, cap, *args: cap)
     assert max(paced_pair_steps(cls, depth, tiny_model)) > 0.050
+
+
+def test_the_control_file_changes_the_settings_and_keeps_what_was_measured(tiny_model, pacing_env, monkeypatch,
+                                                                           tmp_path):
+    """`PREFILL_GATE_PACING_CONTROL_FILE`: new settings without a restart (bench/gpu's variants
+    run so). The engine measured so far is the same engine: its mixed steps' host work carries
+    over (a host-bound engine stays known as one), the aim only where the target is the same;
+    a file that does not parse leaves the settings as they were."""
+    control = tmp_path / "pacing.env"
+    monkeypatch.setenv("PREFILL_GATE_PACING_CONTROL_FILE", str(control))
+    pacing_env("adaptive", target_itl_ms=44, cap_tokens=256)
+    engine = host_floor_engine(tiny_model, 0)
+    steady_users(engine, seconds=8.0)
+    scheduler = engine.scheduler
+    assert scheduler.pacer.host_bound
+    aim = scheduler.pacer.aim
+    stamps = itertools.count(10**18, 10**9)
+    control.write_text("PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=44\n"
+                       "PREFILL_GATE_PACING_CAP_TOKENS=128\n")
+    os.utime(control, ns=(next(stamps), next(stamps)))  # a new modification time, however coarse the clock
+    engine.now += 1.0
+    engine.step()
+    assert scheduler.pacer.config.cap_tokens == 128 and scheduler.pacer.host_bound and scheduler.pacer.aim == aim
+    control.write_text("PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=40\n")
+    os.utime(control, ns=(next(stamps), next(stamps)))  # a new modification time, however coarse the clock
+    engine.now += 1.0
+    engine.step()
+    assert scheduler.pacer.config.target_itl_s == 0.040 and scheduler.pacer.host_bound
+    assert scheduler.pacer.aim == 0.95  # learned for 44 ms, not for 40
+    control.write_text("PREFILL_GATE_PACING=sometimes\n")
+    os.utime(control, ns=(next(stamps), next(stamps)))  # a new modification time, however coarse the clock
+    engine.now += 1.0
+    engine.step()
+    assert scheduler.pacer.config.target_itl_s == 0.040
