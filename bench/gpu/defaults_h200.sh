@@ -44,6 +44,8 @@
 #   (GDN_CHUNK, GDN_LIMIT and GDN_WALK from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
 #   SUBBLOCK=1: after the rows, sub-block pacing's answers on the paced server (below).
+#   PROFILE=1: the paced server armed with vLLM's torch profiler, and after the rows a profile of
+#   short prompts beside 4 streams on it, summarised per step (below).
 #   CONTROL='KEY=VALUE ...' (ROWS=stack): the parts on the running paced server with these engine-patch
 #   settings layered over its own through its control file (e.g. PREFILL_GATE_PACING_TARGET_ITL_MS=40),
 #   no restart; their parts in WORK/variant-VARIANT (VARIANT: a name, default from CONTROL), OUT as
@@ -108,6 +110,10 @@ export PREFILL_GATE_GC_LOG_MS=${PREFILL_GATE_GC_LOG_MS:-20}
 # beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
 # came after the step); OUT gets it compressed. A diagnosis: a line written a step.
 [ "${TRACE:-0}" = 1 ] && PACED_ENV+=(PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl)
+# PROFILE=1: vLLM's torch profiler, armed on the paced server (it records only between
+# /start_profile and /stop_profile; the server must start with it: the call that starts it, or a
+# new WORK); bench/gpu/profile_steps.py drives it after the rows.
+[ "${PROFILE:-0}" = 1 ] && PACED_ARGS+=(--profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$RES/prof\", \"ignore_frontend\": true, \"torch_profiler_with_stack\": false}")
 # CLASS=hybrid: a control file the paced server layers over PACED_ENV (absent or empty: PACED_ENV);
 # SUBBLOCK=1 below checks sub-block pacing's answers on this same server, which then gets them back.
 CONTROL_FILE=""
@@ -224,11 +230,19 @@ if [ "${SUBBLOCK:-0}" = 1 ] && [ -n "$CONTROL_FILE" ] && [ "${DRY_RUN:-0}" != 1 
   python3 bench/gpu/sub_block_compare.py "http://127.0.0.1:$PACED" --control "$CONTROL_FILE" \
     --json "$RES/subblock.json" 2>&1 | tail -4
 fi
+# PROFILE=1: per step of short prompts beside 4 streams, the host's time, the GDN cores' share of
+# it, the GPU's busy time and the launches (issue 50's profile of the eager GDN path; profile.json
+# in the parts tarball, the traces left in WORK/prof).
+if [ "${PROFILE:-0}" = 1 ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
+  say "profiling short prompts beside 4 streams on the paced server"
+  python3 bench/gpu/profile_steps.py collect "http://127.0.0.1:$PACED" --dir "$RES/prof" --json "$RES/profile.json" \
+    2>&1 | tail -30
+fi
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the
 # proxies, each with its wall-clock end: beside each phase's t0_unix + worst_gaps.
 grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$OUT/gc-pauses.log"
 [ -f "$RES/paced-trace.jsonl" ] && gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
-tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl . 2>/dev/null
+tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl --exclude=prof . 2>/dev/null
 say "done"
