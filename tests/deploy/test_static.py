@@ -68,6 +68,7 @@ def test_the_hybrid_env_file_serves_a_hybrid_as_measured():
     env, command = vllm["environment"], vllm["command"]
     assert (env["PREFILL_GATE_PACING"], env["PREFILL_GATE_PACING_TARGET_ITL_MS"], env["PREFILL_GATE_PACING_SUB_BLOCK"],
             env["PREFILL_GATE_GDN_RECURRENT"], env["PREFILL_GATE_GDN_WALK"]) == ("adaptive", "44", "1", "on", "8x1")
+    assert env["PREFILL_GATE_PACING_CAP_TOKENS"] == "256"  # a host-bound engine's cap: the 256-token graph
     assert command[command.index("--max-num-batched-tokens") + 1] == "2048" and "--enable-prefix-caching" in command
     assert command[command.index("--scheduler-cls") + 1] == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
     assert json.loads(command[command.index("--compilation-config") + 1]) == {}
