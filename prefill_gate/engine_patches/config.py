@@ -34,6 +34,11 @@ validated when the scheduler is built; an error names the variable and what it a
                                      (chunks still end on every block boundary they reach,
                                      where the recurrent state is cached); 0: whole blocks,
                                      as vLLM (0)
+    PREFILL_GATE_PACING_HOST_SHARE   adaptive: a mixed step whose host work (schedule() to its
+                                     launch) is at least this share of its time is the
+                                     host's; while the latest are, the cap is CAP_TOKENS
+                                     lowered past graph sizes measured over the target;
+                                     0: never (0.8)
     PREFILL_GATE_PACING_LOG_INTERVAL_S seconds between decision summaries in the log;
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
@@ -79,6 +84,7 @@ class PacingConfig:
     long_min_share: float = 0.5
     sub_block: bool = False
     short_when_idle: bool = False
+    host_share: float = 0.8
     log_interval_s: float = 30.0
     metrics_port: int = 0
 
@@ -117,6 +123,7 @@ class PacingConfig:
             long_min_share=_number(env, "LONG_MIN_SHARE", 0.5, low=0.0, high=1.0, cast=float),
             sub_block=_number(env, "SUB_BLOCK", 0, low=0, high=1) == 1,
             short_when_idle=_number(env, "SHORT_WHEN_IDLE", 0, low=0, high=1) == 1,
+            host_share=_number(env, "HOST_SHARE", 0.8, low=0.0, high=1.0, cast=float),
             log_interval_s=_number(env, "LOG_INTERVAL_S", 30.0, low=0.0, high=86_400.0, cast=float),
             metrics_port=_number(env, "METRICS_PORT", 0, low=0, high=65535),
         )

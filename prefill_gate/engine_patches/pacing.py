@@ -80,15 +80,15 @@ AIM_BOUNDS = (0.5, 1.25)
 AIM_RECOVER_SLACK = 0.2
 AIM_RECOVER_STEPS = 8
 # A mixed step whose host work (schedule() to vLLM's loop coming back after launching it) was at
-# least HOST_SHARE of its time is host-bound: on the 27B hybrid the eager GDN path's launches,
-# ~36 ms of a ~39 ms mixed step on the H100 whatever its prefill (16 tokens or 256; decode steps,
-# graph replays, 4 ms of 20; bench/results/hybrid/h100/run-1a80097/). Such a step leaves the aim
-# alone when it runs over: a smaller prefill would have kept the host as long. And while the
-# median of the latest HOST_STEPS mixed steps is host-bound, the line cannot tell what a prefill
-# costs (at a 40 ms target on the H100 it put the host's time on the attention term, the cap fell
-# to ~15 tokens and long prompts took 12.3x their time alone): the pacer then runs CAP_TOKENS,
-# stepping down from CUDA-graph sizes whose measured steps ran over the target.
-HOST_SHARE = 0.8
+# least the config's host_share (PREFILL_GATE_PACING_HOST_SHARE, 0.8; 0: never) of its time is
+# host-bound: on the 27B hybrid the eager GDN path's launches, ~36 ms of a ~39 ms mixed step on
+# the H100 whatever its prefill (16 tokens or 256; decode steps, graph replays, 4 ms of 20;
+# bench/results/hybrid/h100/run-1a80097/). Such a step leaves the aim alone when it runs over: a
+# smaller prefill would have kept the host as long. And while the median of the latest HOST_STEPS
+# mixed steps is host-bound, the line cannot tell what a prefill costs (at a 40 ms target on the
+# H100 it put the host's time on the attention term, the cap fell to ~15 tokens and long prompts
+# took 12.3x their time alone): the pacer then runs CAP_TOKENS, stepping down from CUDA-graph
+# sizes whose measured steps ran over the target.
 HOST_STEPS = 16
 # A size's steps count for this many mixed steps: a size the cap stepped down from is run again
 # once they have aged out (a host slowdown makes every size dear while it lasts).
@@ -165,11 +165,11 @@ class Pacer:
     @property
     def host_bound(self) -> bool:
         """Are the latest mixed steps bound by the engine's host (their median host work at least
-        HOST_SHARE of their median time)?"""
-        steps = self._host_steps
-        if len(steps) < MIN_FIT_SAMPLES:
+        the config's host_share of their median time)? Never with a share of 0."""
+        steps, share = self._host_steps, self.config.host_share
+        if not share or len(steps) < MIN_FIT_SAMPLES:
             return False
-        return statistics.median(h for h, _ in steps) >= HOST_SHARE * statistics.median(t for _, t in steps)
+        return statistics.median(h for h, _ in steps) >= share * statistics.median(t for _, t in steps)
 
     @property
     def graph_limit(self) -> int | None:
@@ -303,7 +303,7 @@ class Pacer:
             self._host_steps.append((host_s, seconds))
         if seconds > target:
             self.low_in_row = 0
-            if host_s is not None and host_s >= HOST_SHARE * seconds:
+            if host_s is not None and self.config.host_share and host_s >= self.config.host_share * seconds:
                 return  # the host's step: a smaller prefill would have kept the host as long
             self.aim *= 1 - AIM_RATE
         else:

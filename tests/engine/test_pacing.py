@@ -617,8 +617,8 @@ def test_a_host_bound_engine_keeps_long_prompts_moving_under_steady_load(target_
         gaps.sort()
         assert len(ttft) >= 3 and statistics.median(ttft) <= 2.5 * alone_s, (ttft, alone_s)
         assert gaps[int(0.99 * len(gaps))] <= 0.046, gaps[-10:]
-    if target_ms == 40:  # the line alone, as before: the long prompts crawl
-        monkeypatch.setattr(pacing, "HOST_SHARE", 2.0)
+    if target_ms == 40:  # PREFILL_GATE_PACING_HOST_SHARE=0, the line alone as before: the long prompts crawl
+        pacing_env("adaptive", target_itl_ms=target_ms, cap_tokens=256, host_share=0)
         ttft, _ = steady_users(host_floor_engine(tiny_model, 0), seed=0)
         assert len(ttft) < 3 or statistics.median(ttft) > 2.5 * alone_s, ttft
 

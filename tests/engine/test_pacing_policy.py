@@ -31,6 +31,8 @@ def test_defaults_are_off():
          "MAX_DEFERRED=2 is below PREFILL_GATE_PACING_INTERVAL=4"),
         ({"PREFILL_GATE_PACING_GRAPH_CLAMP": "yes"}, "GRAPH_CLAMP='yes'"),
         ({"PREFILL_GATE_PACING_SHORT_WHEN_IDLE": "2"}, "SHORT_WHEN_IDLE=2: expected"),
+        ({"PREFILL_GATE_PACING_HOST_SHARE": "80%"}, "HOST_SHARE='80%': expected a number"),
+        ({"PREFILL_GATE_PACING_HOST_SHARE": "1.5"}, "HOST_SHARE=1.5: expected 0.0..1.0"),
     ],
 )
 def test_bad_settings_name_the_variable(env, message):
@@ -361,6 +363,11 @@ def test_a_host_bound_engine_runs_the_cap_down_only_from_sizes_measured_over_the
     for _ in range(16):
         gpu_bound.feedback(0.039, filled=True, host_s=0.012)
     assert not gpu_bound.host_bound
+    off = Pacer(PacingConfig(mode="adaptive", cap_tokens=256, target_itl_s=0.040, min_tokens=16, host_share=0.0),
+                graph_sizes=SIZES)
+    for _ in range(16):
+        off.feedback(0.046, filled=True, host_s=0.044)
+    assert not off.host_bound and off.aim < 0.95  # HOST_SHARE=0: no host rule at all
 
 def test_the_aim_returns_as_fast_as_it_fell_only_after_a_row_of_filled_steps_well_under():
     pacer = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044))
