@@ -58,6 +58,10 @@ SIZE_WINDOW = 16
 # The drift is the median residual of the latest DRIFT_STEPS mixed steps: one dear step does not
 # move it (a 320 beside 256s), a slowdown does from its fifth step.
 DRIFT_STEPS = 8
+# A size's measured steps count for this many mixed steps (`measured`): a size a host-bound
+# engine's cap stepped down from is run again once they have aged out (a host slowdown makes every
+# size dear while it lasts).
+RECENT_STEPS = 64
 
 
 def features(decode_rows: int, chunks: list[tuple[int, int]]) -> tuple[float, ...]:
@@ -123,14 +127,18 @@ class StepCostModel:
         theta = self.coefficients
         return statistics.median([y - sum(c * f for c, f in zip(theta, x)) - drift for x, y, drift, _ in steps])
 
-    def measured(self, size: int, within: int) -> float | None:
+    def measured(self, size: int) -> float | None:
         """What the mixed steps padded to CUDA-graph ``size`` took, of those among the latest
-        ``within`` mixed steps (seconds, the median; None if none), for a host-bound engine, whose
-        sizes the line cannot price. Only recent steps count: a size condemned in a slowdown is
-        not run again to clear it, so its old steps must age out."""
+        RECENT_STEPS mixed steps (seconds, the median; None if none), for a host-bound engine,
+        whose sizes the line cannot price. Only recent steps count: a size condemned in a
+        slowdown is not run again to clear it, so its old steps must age out."""
         steps = self._sizes.get(size, ())
-        recent = [y for _, y, _, seen in steps if seen > self._mixed_seen - within]
+        recent = [y for _, y, _, seen in steps if seen > self._mixed_seen - RECENT_STEPS]
         return statistics.median(recent) if recent else None
+
+    def size_measured(self) -> dict[int, float]:
+        """``measured`` of every size with recent steps."""
+        return {size: m for size in sorted(self._sizes) if (m := self.measured(size)) is not None}
 
     @property
     def largest_measured_size(self) -> int:

@@ -90,9 +90,6 @@ AIM_RECOVER_STEPS = 8
 # took 12.3x their time alone): the pacer then runs CAP_TOKENS, stepping down from CUDA-graph
 # sizes whose measured steps ran over the target.
 HOST_STEPS = 16
-# A size's steps count for this many mixed steps: a size the cap stepped down from is run again
-# once they have aged out (a host slowdown makes every size dear while it lasts).
-HOST_SIZE_STEPS = 64
 # A CUDA-graph size above every size measured so far is tried only where the model puts its
 # step this fraction of the target below it: the model is a line, and steps padded past a
 # matrix-product tile cost more than the line says (cost_model; H100: 256 -> 320 tokens, 40 ->
@@ -236,15 +233,15 @@ class Pacer:
 
     def _within_measured_sizes(self, cap: int, decode_tokens: int, budget_s: float) -> int:
         """The cap on a host-bound engine: lowered past the CUDA-graph sizes whose recent mixed
-        steps (HOST_SIZE_STEPS) took more than ``budget_s`` (the median, as measured: the line
-        cannot price them); sizes with none are taken as they come."""
+        steps (`StepCostModel.measured`) took more than ``budget_s`` (the median, as measured: the
+        line cannot price them); sizes with none are taken as they come."""
         sizes = self.graph_sizes
         cap = self._fit_cap(cap, decode_tokens)
         while True:
             size = self.graph_size(decode_tokens + cap)
             if size is None:
                 return cap  # an eager step: no size to judge
-            measured = self.model.measured(size, within=HOST_SIZE_STEPS)
+            measured = self.model.measured(size)
             i = bisect.bisect_left(sizes, size)
             if measured is None or measured <= budget_s or i == 0 or sizes[i - 1] <= decode_tokens:
                 return cap

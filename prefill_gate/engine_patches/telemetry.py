@@ -169,5 +169,7 @@ class PacingTelemetry:
                 "drift_ms": round(self.model.drift * 1e3, 1),
                 # how far each CUDA-graph size's mixed steps run above the line, less that drift
                 "graph_size_excess_ms": {str(size): round(e * 1e3, 1) for size, e in self.model.size_excess().items()},
+                # what each size's recent mixed steps took (the median): a host-bound engine's caps
+                "graph_size_ms": {str(size): round(m * 1e3, 1) for size, m in self.model.size_measured().items()},
             }
         return out

@@ -82,6 +82,7 @@ def test_telemetry_logs_a_summary_on_its_interval(caplog):
     assert '"mode": "adaptive"' in caplog.text and '"samples": 0' in caplog.text
     telemetry.model.observe(features(1, [(0, 255)]), 0.040, size=256)
     assert telemetry.summary()["model"]["graph_size_excess_ms"].keys() == {"256"}
+    assert telemetry.summary()["model"]["graph_size_ms"] == {"256": 40.0}
 
 
 def test_the_engine_info_plugin_is_declared():
