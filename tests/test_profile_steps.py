@@ -31,6 +31,7 @@ def trace() -> list[dict]:
         ev("gpu_user_annotation", decode, 500, 20_000, tid=99),
         ev("kernel", "graph_kernel", 500, 20_000, tid=99),
         ev("user_annotation", mixed, 30_000, 36_000),
+        ev("user_annotation", "gpu_model_runner: forward", 30_500, 33_000),
         ev("cpu_op", "vllm::qwen_gdn_attention_core", 31_000, 30_000),
         ev("cpu_op", "aten::copy_", 62_000, 1_000),
         ev("cuda_driver", "cuLaunchKernel", 32_000, 20),
@@ -53,10 +54,14 @@ def test_a_step_s_host_time_gdn_share_launches_and_gpu_busy_time():
     assert decode["host_ms"] == 4.0 and decode["gpu_busy_ms"] == 20.0
     assert mixed["kind"] == "mixed" and mixed["prefill_tokens"] == 300 and mixed["decode_requests"] == 4
     assert mixed["host_ms"] == 36.0 and mixed["gdn_host_ms"] == 30.0
+    assert mixed["outside_ops_ms"] == 5.0  # 36 less the GDN core's 30 and the copy's 1
+    assert decode["outside_ops_ms"] == 4.0
     assert mixed["kernel_launches"] == 4 and mixed["launch_call_ms"] == pytest.approx(0.1)
     assert mixed["gpu_busy_ms"] == 12.0  # 7 ms of two overlapping kernels and 5 apart
     top = summary["mixed_top_ops"]
-    assert top[0]["op"] == "vllm::qwen_gdn_attention_core" and top[0]["host_ms_per_step"] == 30.0
+    assert [op["op"] for op in top] == ["[gpu_model_runner: forward]", "vllm::qwen_gdn_attention_core", "aten::copy_"]
+    assert top[1]["host_ms_per_step"] == 30.0 and top[1]["calls_per_step"] == 1
+    assert summary["decode_top_ops"] == []  # the decode step ran no operation, only its graph
     assert summary["by_kind"]["mixed"]["host_ms"] == 36.0 and summary["by_kind"]["prefill"] is None
 
 

@@ -236,7 +236,11 @@ fi
 if [ "${PROFILE:-0}" = 1 ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
   say "profiling short prompts beside 4 streams on the paced server"
   python3 bench/gpu/profile_steps.py collect "http://127.0.0.1:$PACED" --dir "$RES/prof" --json "$RES/profile.json" \
-    2>&1 | tail -30
+    2>&1 | tail -70
+  # the trace itself beside its summary (in the parts tarball), for reading op by op here
+  newest=$(find "$RES/prof" -name '*.pt.trace.json*' -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
+  if [ -n "$newest" ]; then case "$newest" in *.gz) cp "$newest" "$RES/profile-trace.json.gz" ;;
+    *) gzip -c "$newest" > "$RES/profile-trace.json.gz" ;; esac; fi
 fi
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"

@@ -43,7 +43,8 @@ STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 GDN = re.compile(r"gdn|gated_delta|fla|chunk_", re.IGNORECASE)
 LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cuLaunchKernelEx)")
 GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")
-TOP_OPS = 15
+TOP_OPS = 25
+KINDS = ("decode", "mixed", "prefill")
 
 
 def load(path: Path) -> list[dict]:
@@ -76,7 +77,8 @@ def summarize(events: list[dict]) -> dict:
     for e in complete:
         if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation"):
             by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    steps, mixed_ops = [], defaultdict(lambda: [0.0, 0])
+    steps = []
+    ops = {kind: defaultdict(lambda: [0.0, 0]) for kind in KINDS}
     used_gpu: dict[str, int] = defaultdict(int)
     for step in sorted(cpu_steps, key=lambda e: e["ts"]):
         ctx, ctx_tokens, gen, gen_tokens = (int(g) for g in STEP.match(step["name"]).groups())
@@ -85,7 +87,8 @@ def summarize(events: list[dict]) -> dict:
                   if e is not step and start <= e["ts"] and e["ts"] + e["dur"] <= end]
         launches = [e for e in inside if LAUNCH.match(e.get("name", ""))]
         graphs = [e for e in inside if GRAPH_LAUNCH.match(e.get("name", ""))]
-        gdn = [e for e in inside if e.get("cat") == "cpu_op" and GDN.search(e.get("name", ""))]
+        cpu_ops = [e for e in inside if e.get("cat") == "cpu_op"]
+        gdn = [e for e in cpu_ops if GDN.search(e.get("name", ""))]
         # the step's GPU span: its GPU-side annotation (the n-th of that name for the n-th step)
         spans = gpu_steps.get(step["name"], [])
         gpu_busy = None
@@ -100,22 +103,30 @@ def summarize(events: list[dict]) -> dict:
             "host_ms": step["dur"] / 1e3, "kernel_launches": len(launches), "graph_launches": len(graphs),
             "launch_call_ms": sum(e["dur"] for e in launches + graphs) / 1e3,
             "gdn_host_ms": _union([(e["ts"], e["ts"] + e["dur"]) for e in gdn]) / 1e3,
+            # the host's time in no torch operation at all: Python between them (graph replays'
+            # wrappers, metadata building, the scheduler's output handling)
+            "outside_ops_ms": (step["dur"] - _union([(e["ts"], e["ts"] + e["dur"]) for e in cpu_ops])) / 1e3,
             "gpu_busy_ms": gpu_busy,
         })
-        if kind == "mixed":
-            for e in inside:
-                if e.get("cat") == "cpu_op":
-                    agg = mixed_ops[e["name"]]
-                    agg[0] += e["dur"] / 1e3
-                    agg[1] += 1
-    n_mixed = sum(s["kind"] == "mixed" for s in steps)
-    top = sorted(mixed_ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
+        for e in inside:
+            if e.get("cat") in ("cpu_op", "user_annotation"):
+                # vLLM's own annotations (preprocess, forward, sample, ...) beside the operations
+                name = e["name"] if e["cat"] == "cpu_op" else f"[{e['name']}]"
+                agg = ops[kind][name]
+                agg[0] += e["dur"] / 1e3
+                agg[1] += 1
     return {
         "steps": steps,
-        "by_kind": {kind: _medians([s for s in steps if s["kind"] == kind]) for kind in ("decode", "mixed", "prefill")},
-        "mixed_top_ops": [{"op": name, "host_ms_per_step": total / n_mixed, "calls_per_step": calls / n_mixed}
-                          for name, (total, calls) in top] if n_mixed else [],
+        "by_kind": {kind: _medians([s for s in steps if s["kind"] == kind]) for kind in KINDS},
+        **{f"{kind}_top_ops": _top(ops[kind], sum(s["kind"] == kind for s in steps)) for kind in ("mixed", "decode")},
     }
+
+
+def _top(ops: dict, n: int) -> list[dict]:
+    """The operations that took most of these steps' host time (inclusive), per step."""
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
+    return [{"op": name, "host_ms_per_step": total / n, "calls_per_step": calls / n}
+            for name, (total, calls) in top] if n else []
 
 
 def _medians(steps: list[dict]) -> dict | None:
@@ -123,7 +134,7 @@ def _medians(steps: list[dict]) -> dict | None:
         return None
     out = {"steps": len(steps)}
     for key in ("prefill_tokens", "host_ms", "kernel_launches", "graph_launches", "launch_call_ms", "gdn_host_ms",
-                "gpu_busy_ms"):
+                "outside_ops_ms", "gpu_busy_ms"):
         values = [s[key] for s in steps if s[key] is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -133,17 +144,18 @@ def table(summary: dict) -> str:
     def cell(v) -> str:
         return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    cols = ("steps", "prefill_tokens", "host_ms", "gdn_host_ms", "gpu_busy_ms", "kernel_launches", "graph_launches",
-            "launch_call_ms")
+    cols = ("steps", "prefill_tokens", "host_ms", "gdn_host_ms", "outside_ops_ms", "gpu_busy_ms", "kernel_launches",
+            "graph_launches", "launch_call_ms")
     lines = ["step (medians)  " + "  ".join(f"{c:>15}" for c in cols)]
     for kind, row in summary["by_kind"].items():
         if row:
             lines.append(f"{kind:<15}  " + "  ".join(f"{cell(row[c]):>15}" for c in cols))
-    if summary["mixed_top_ops"]:
-        lines.append("")
-        lines.append("mixed steps' host time by CPU operation (inclusive, per step)")
-        for op in summary["mixed_top_ops"]:
-            lines.append(f"  {op['host_ms_per_step']:8.2f} ms  {op['calls_per_step']:7.1f} calls  {op['op'][:90]}")
+    for kind in ("mixed", "decode"):
+        if summary[f"{kind}_top_ops"]:
+            lines.append("")
+            lines.append(f"{kind} steps' host time by operation (inclusive, per step; [vLLM's annotations])")
+            for op in summary[f"{kind}_top_ops"]:
+                lines.append(f"  {op['host_ms_per_step']:8.2f} ms  {op['calls_per_step']:7.1f} calls  {op['op'][:90]}")
     return "\n".join(lines)
 
 
