@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from prefill_gate.kernels.launch import Launcher
+
 L2NORM_EPS = tl.constexpr(1e-6)  # as vLLM's l2norm in its recurrent kernel
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # softplus(x) = x above it, as vLLM's kernels
 BLOCK_V = 32  # value rows of the state per program: a 32 x 128 float32 tile in registers
@@ -276,10 +278,11 @@ def valid_walk(walk: tuple[int, int]) -> bool:
 def _rows(name: str, x: torch.Tensor, heads: int, dim: int) -> int:
     """The token stride of a [tokens, heads, dim] tensor whose heads and dims are packed
     (the conv output's split views are); raise for any other layout."""
-    if x.dim() != 3 or x.shape[1:] != (heads, dim) or x.stride(2) != 1 or x.stride(1) != dim:
+    strides = x.stride()
+    if len(strides) != 3 or x.shape[1:] != (heads, dim) or strides[1:] != (dim, 1):
         raise ValueError(f"{name}: want [tokens, {heads}, {dim}] with packed heads, got shape "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    return x.stride(0)
+                         f"{tuple(x.shape)} strides {strides}")
+    return strides[0]
 
 
 def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -326,25 +329,29 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     strides = (_rows("q", q, H, K), _rows("k", k, H, K), _rows("v", v, HV, V))
+    row_strides = []
     for name, x in (("a", a), ("b", b)):
-        if x.dim() != 2 or x.shape[1] != HV or x.stride(1) != 1:
-            raise ValueError(f"{name}: want [tokens, {HV}] with unit head stride, got {tuple(x.shape)} {x.stride()}")
-    if state.dim() != 4 or state.shape[1:] != (HV, V, K) or state.stride()[1:] != (V * K, K, 1):
+        x_strides = x.stride()
+        if len(x_strides) != 2 or x.shape[1] != HV or x_strides[1] != 1:
+            raise ValueError(f"{name}: want [tokens, {HV}] with unit head stride, got {tuple(x.shape)} {x_strides}")
+        row_strides.append(x_strides[0])
+    state_strides = state.stride()
+    if len(state_strides) != 4 or state.shape[1:] != (HV, V, K) or state_strides[1:] != (V * K, K, 1):
         raise ValueError(f"state: want [slots, {HV}, {V}, {K}] with contiguous slots, got {tuple(state.shape)}")
     if out is None:
         out = torch.empty(tokens, HV, V, dtype=v.dtype, device=v.device)
-    _rows("out", out, HV, V)
+    out_stride = _rows("out", out, HV, V)
     n = cu_seqlens.numel() - 1
     if state_indices.numel() < n or (has_initial is not None and has_initial.numel() < n):
         raise ValueError("state_indices and has_initial need an entry per sequence")
     if n <= 0 or tokens == 0:
         return out
-    block_k = triton.next_power_of_2(K)
+    block_k = _pow2(K)
     block_v = block_v or (CHUNK_BLOCK_V if chunk else BLOCK_V)
     num_warps = num_warps or (CHUNK_WARPS if chunk else 4)
     if block_v < 1 or block_v & (block_v - 1) or stages < 1:
         raise ValueError(f"block_v must be a power of two and stages >= 1, got {block_v}, {stages}")
-    block_v = min(triton.next_power_of_2(V), block_v)
+    block_v = min(_pow2(V), block_v)
     if chunk and (not MIN_DOT <= chunk <= MAX_CHUNK or chunk & (chunk - 1) or min(block_v, block_k) < MIN_DOT):
         raise ValueError(f"chunk must be 0 or a power of two in {MIN_DOT}..{MAX_CHUNK}, with blocks of at least {MIN_DOT} "
                          f"key and value rows (a matrix product's least side); got chunk {chunk}, "
@@ -357,24 +364,34 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
             raise ValueError("walk is the token walk's launch for prompts; with chunk, prompts go in chunks")
         if not valid_walk(walk):
             raise ValueError(f"walk: value rows a power of two and warps one of {WARPS}, got {walk}")
-        walk_v = min(triton.next_power_of_2(V), walk_v)
+        walk_v = min(_pow2(V), walk_v)
         launches = [(block_v, num_warps, ROWS_DECODES, 0), (walk_v, walk_warps, ROWS_PROMPTS, 0)]
     elif chunk:
         # The decodes in a launch of their own, the walk's decode launch: the same compiled loop as
         # without chunks. In the chunks' launch their loop compiled differently on an H100 (CHUNK
         # is a constant of the program): chunks of 16 changed the decodes' last bits, and so the
         # states every later step reads (bench/results/gdn/h100/run-b953a47/decode-bits-*.json).
-        launches = [(min(triton.next_power_of_2(V), BLOCK_V), 4, ROWS_DECODES, 0),
+        launches = [(min(_pow2(V), BLOCK_V), 4, ROWS_DECODES, 0),
                     (block_v, num_warps, ROWS_PROMPTS, chunk)]
     else:
         launches = [(block_v, num_warps, ROWS_ALL, 0)]
     args = (q, k, v, a, b, A_log, dt_bias, out, state, cu_seqlens, state_indices,
             has_initial if has_initial is not None else state_indices,
-            *strides, a.stride(0), b.stride(0), out.stride(0), state.stride(0),
+            *strides, *row_strides, out_stride, state_strides[0],
             K ** -0.5 if scale is None else scale)
     for rows_v, warps, rows, launch_chunk in launches:
-        _gated_delta_kernel[(triton.cdiv(V, rows_v), n * HV)](
-            *args, H=H, HV=HV, K=K, V=V, BK=block_k, BV=rows_v, MASK_INITIAL=has_initial is not None,
-            STAGES=stages, CHUNK=launch_chunk, SUB=min(launch_chunk, SUB_BLOCK) if launch_chunk else 1,
-            PRECISION=precision, ROWS=rows.value, num_warps=warps)
+        _launch((-(-V // rows_v), n * HV), *args, H=H, HV=HV, K=K, V=V, BK=block_k, BV=rows_v,
+                MASK_INITIAL=has_initial is not None, STAGES=stages, CHUNK=launch_chunk,
+                SUB=min(launch_chunk, SUB_BLOCK) if launch_chunk else 1, PRECISION=precision, ROWS=rows.value,
+                num_warps=warps)
     return out
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (``triton.next_power_of_2`` without its per-call JIT dispatch:
+    this runs on the host between launches, several times a layer)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+# Repeat launches straight to the compiled kernel (PREFILL_GATE_FAST_LAUNCH; kernels/launch.py)
+_launch = Launcher(_gated_delta_kernel)

@@ -155,6 +155,7 @@ def test_with_chunks_the_decodes_keep_their_own_launch(monkeypatch, chunk):
     decodes must run in exactly that launch (grid, constants, warps: the same compiled program),
     and the chunks' launch must take no decode."""
     from prefill_gate.kernels import gated_delta
+    from prefill_gate.kernels.launch import Launcher
 
     launches = []
 
@@ -162,7 +163,7 @@ def test_with_chunks_the_decodes_keep_their_own_launch(monkeypatch, chunk):
         def __getitem__(self, grid):
             return lambda *args, **constants: launches.append((grid, constants))
 
-    monkeypatch.setattr(gated_delta, "_gated_delta_kernel", Recorder())
+    monkeypatch.setattr(gated_delta, "_launch", Launcher(Recorder()))
     step = make_step([1, 40, 1, 3], K=32, V=32)
     indices = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     gated_delta_recurrent(**step, state_indices=indices, walk=(8, 1))
@@ -309,3 +310,37 @@ def test_on_the_gpu_against_the_specification():
         assert (out.double().cpu() - ref_out).abs().max() <= 2e-2 * ref_out.abs().max(), (chunk, precision)
         err = (state.double().cpu() - ref_state).abs().max() / ref_state.abs().max()
         assert err <= state_tol, (chunk, precision, err)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_fast_launches_give_tritons_bits(monkeypatch):
+    """Repeat launches straight to the kept kernel (PREFILL_GATE_FAST_LAUNCH) compute what
+    Triton's own launch does, bit for bit, decodes and the walk's prompts, also where a later
+    step's tensors sit elsewhere (another kernel's specialisation: an unaligned view)."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    from prefill_gate.kernels import gated_delta
+    from prefill_gate.kernels.launch import Launcher
+
+    lens = [1] * 4 + [300]
+    step = make_step(lens, H=16, HV=48, K=128, V=128, slots=40, dtype=torch.bfloat16, seed=11, device="cuda")
+    indices = torch.arange(1, len(lens) + 1, dtype=torch.int32, device="cuda")
+    has_initial = torch.tensor([True] * 4 + [False], device="cuda")
+
+    def run(launcher, a):
+        monkeypatch.setattr(gated_delta, "_launch", launcher)
+        state = step["state"].clone()
+        out = gated_delta_recurrent(**{**step, "a": a, "state": state}, state_indices=indices,
+                                    has_initial=has_initial, walk=(8, 1))
+        return out, state
+
+    unaligned = torch.empty(step["a"].shape[0] * 48 + 1, dtype=step["a"].dtype, device="cuda")[1:].view(-1, 48)
+    unaligned.copy_(step["a"])
+    fast = Launcher(gated_delta._gated_delta_kernel, enabled=True)
+    slow = Launcher(gated_delta._gated_delta_kernel, enabled=False)
+    for a in (step["a"], unaligned):
+        want = run(slow, a)
+        for _ in range(3):
+            got = run(fast, a)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert fast.fast_launches >= 4  # each shape's third launch on went straight to its kernel
