@@ -35,6 +35,7 @@ def register() -> None:
     from prefill_gate.engine_patches import _vllm, gdn, graph_upload, graphs, stalls, warmup  # _vllm: the version check
     from prefill_gate.engine_patches.config import PacingConfig
     from prefill_gate.engine_patches.routing import mode_from_env
+    from prefill_gate.kernels import launch
 
     config = PacingConfig.from_env()
     spec_as_decode = mode_from_env()
@@ -43,6 +44,7 @@ def register() -> None:
     gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
     gc_log_s = stalls.threshold_from_env()
     warm = warmup.enabled_from_env()
+    fast_launch = launch.enabled_from_env()  # read again where the kernel loads; refused here first
     say = lambda message: logger.info("prefill-gate %s", message)  # noqa: E731
     warn = lambda message: logger.warning("prefill-gate %s", message)  # noqa: E731
     graphs.install(_vllm.VllmConfig, graph_steps, say)
@@ -59,9 +61,11 @@ def register() -> None:
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s", _vllm.SUPPORTED_VLLM,
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s",
+                _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, graph_upload.ENV,
                 upload, gdn.ENV,
                 gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", gdn.WALK_ENV,
                 "x".join(map(str, gdn_walk)) if gdn_walk else "off", stalls.ENV,
-                f"{gc_log_s * 1e3:g}" if gc_log_s else "off", warmup.ENV, "on" if warm else "off")
+                f"{gc_log_s * 1e3:g}" if gc_log_s else "off", warmup.ENV, "on" if warm else "off", launch.ENV,
+                "on" if fast_launch else "off")
