@@ -393,5 +393,5 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-# Repeat launches straight to the compiled kernel (PREFILL_GATE_FAST_LAUNCH; kernels/launch.py)
+# Repeat launches straight to the compiled kernel where PREFILL_GATE_FAST_LAUNCH=on (kernels/launch.py)
 _launch = Launcher(_gated_delta_kernel)

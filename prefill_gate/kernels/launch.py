@@ -16,8 +16,11 @@ the kernel Triton would have picked for it. What it skips: Triton's check that t
 module globals have not changed since it compiled (ours are constants) and its pre-run hooks
 (none are set on our kernels).
 
-    PREFILL_GATE_FAST_LAUNCH   on   (default) repeat launches go straight to the compiled kernel
-                               off  every launch through ``kernel[grid](...)``
+    PREFILL_GATE_FAST_LAUNCH   off  (default) every launch through ``kernel[grid](...)``
+                               on   repeat launches go straight to the compiled kernel
+
+Off until its GPU test (tests/kernel_tests/test_gated_delta.py: both ways' bits) and
+bench/gpu/gdn_launch_time.py have run on a GPU: the device was not lent when it was built.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``) every call goes through Triton: there is no
 compiled kernel to keep.
@@ -38,7 +41,7 @@ class FastLaunchError(ValueError):
 
 def enabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
-    raw = (env.get(ENV) or "on").strip().lower()
+    raw = (env.get(ENV) or "off").strip().lower()
     if raw not in ("on", "off"):
         raise FastLaunchError(f"{ENV}={env.get(ENV)!r}: expected on or off")
     return raw == "on"

@@ -217,11 +217,11 @@ def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     monkeypatch.setenv("PREFILL_GATE_FAST_LAUNCH", "yes")
     with pytest.raises(ValueError, match="PREFILL_GATE_FAST_LAUNCH='yes': expected on or off"):
         engine_patches.register()
-    monkeypatch.setenv("PREFILL_GATE_FAST_LAUNCH", "off")
+    monkeypatch.setenv("PREFILL_GATE_FAST_LAUNCH", "on")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
-    assert "PREFILL_GATE_FAST_LAUNCH=off" in caplog.text
+    assert "PREFILL_GATE_FAST_LAUNCH=on" in caplog.text
 
 
 @pytest.mark.gpu
