@@ -33,8 +33,9 @@ the JIT monitor reported nothing in service, where the stock server beside it re
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Mapping
+
+from prefill_gate._env import switch
 
 ENV = "PREFILL_GATE_WARMUP"
 
@@ -44,11 +45,7 @@ class WarmupError(ValueError):
 
 
 def enabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV) or "on").strip().lower()
-    if raw not in ("on", "off"):
-        raise WarmupError(f"{ENV}={env.get(ENV)!r}: expected on or off")
-    return raw == "on"
+    return switch(ENV, "on", WarmupError, environ)
 
 
 def slot_mapping(tables, device) -> int:

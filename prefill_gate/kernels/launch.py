@@ -29,8 +29,9 @@ compiled kernel to keep.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Mapping
+
+from prefill_gate._env import switch
 
 ENV = "PREFILL_GATE_FAST_LAUNCH"
 
@@ -40,11 +41,7 @@ class FastLaunchError(ValueError):
 
 
 def enabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV) or "off").strip().lower()
-    if raw not in ("on", "off"):
-        raise FastLaunchError(f"{ENV}={env.get(ENV)!r}: expected on or off")
-    return raw == "on"
+    return switch(ENV, "off", FastLaunchError, environ)
 
 
 class Launcher:
