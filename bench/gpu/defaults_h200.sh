@@ -47,7 +47,8 @@
 #   PROFILE=1: the paced server armed with vLLM's torch profiler, and after the rows a profile of
 #   short prompts beside 4 streams on it, summarised per step (below).
 #   CONTROL='KEY=VALUE ...' (ROWS=stack): the parts on the running paced server with these engine-patch
-#   settings layered over its own through its control file (e.g. PREFILL_GATE_PACING_TARGET_ITL_MS=40),
+#   settings layered over its own through its control file (e.g. PREFILL_GATE_PACING_TARGET_ITL_MS=40,
+#   or the GDN patch's: PREFILL_GATE_FAST_LAUNCH=on, PREFILL_GATE_GDN_RECURRENT=off for vLLM's path),
 #   no restart; their parts in WORK/variant-VARIANT (VARIANT: a name, default from CONTROL), OUT as
 #   usual; the server gets its own settings back after. Keep WORK: another WORK restarts the servers.
 set -u
@@ -198,10 +199,16 @@ if [ -n "${CONTROL:-}" ]; then
   # read as the server will (a file it refuses, it ignores: the parts would run on its own settings)
   settings=$(python3 - "$CONTROL_FILE" "${PACED_ENV[@]}" PREFILL_GATE_PACING=adaptive <<'PY'
 import sys
-from prefill_gate.engine_patches.config import PacingConfigError, read_control_file
+from prefill_gate._env import read_settings_file
+from prefill_gate.engine_patches import gdn
+from prefill_gate.engine_patches.config import control_key, read_control_file
+from prefill_gate.kernels import launch
+env = dict(kv.split("=", 1) for kv in sys.argv[2:])
 try:
-    print(read_control_file(sys.argv[1], dict(kv.split("=", 1) for kv in sys.argv[2:])).describe())
-except PacingConfigError as exc:
+    merged = {**env, **read_settings_file(sys.argv[1], control_key, ValueError)}
+    gdn.mode_from_env(merged), gdn.chunk_from_env(merged), gdn.walk_from_env(merged), launch.enabled_from_env(merged)
+    print(read_control_file(sys.argv[1], env).describe())
+except ValueError as exc:
     print(exc)
     sys.exit(2)
 PY

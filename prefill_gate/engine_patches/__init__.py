@@ -24,6 +24,7 @@ what is active. The scheduler classes are chosen with `--scheduler-cls` and the 
 from __future__ import annotations
 
 import logging
+import os
 
 # Under "vllm." so that vLLM's logging configuration (handler, format, level) covers it.
 LOGGER = "vllm.prefill_gate"
@@ -54,7 +55,8 @@ def register() -> None:
         graph_upload.install(runner.runner_cls, runner.wrapper_cls, upload, say, warn)
     if gdn_limit or gdn.installed():  # vLLM's GDN layer modules load only where the patch is asked for
         internals = _vllm.gdn_internals()
-        gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk)
+        gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk,
+                    control=os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None)
         if gdn_limit and warm:  # the kernels a GDN hybrid's service would otherwise compile in service
             warmup.install(_vllm.warmup_internals(), internals, say, warn)
     stalls.install(gc_log_s, logger)

@@ -43,7 +43,8 @@ validated when the scheduler is built; an error names the variable and what it a
                                      0: none (30)
     PREFILL_GATE_PACING_METRICS_PORT serve the decisions as Prometheus metrics from the
                                      engine process on this port; 0: off (0)
-    PREFILL_GATE_PACING_CONTROL_FILE a file of KEY=VALUE lines (these names) read over the
+    PREFILL_GATE_PACING_CONTROL_FILE a file of KEY=VALUE lines (these names, and the GDN
+                                     patch's: engine_patches.gdn) read over the
                                      environment, re-read when it changes: retune pacing
                                      without restarting vLLM (sweeps, operators). A bad
                                      file is logged and the running settings kept. (unset)
@@ -58,6 +59,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from prefill_gate._env import read_settings_file
+from prefill_gate.engine_patches.gdn import CONTROL_KEYS
 from typing import Literal
 
 Mode = Literal["off", "cap", "cadence", "adaptive"]
@@ -158,22 +162,15 @@ class PacingConfig:
         )
 
 
+def control_key(key: str) -> bool:
+    """May a control file set ``key``? Pacing's settings, and the GDN patch's (its layers read
+    the same file: engine_patches.gdn.Control)."""
+    return key.startswith(PREFIX) or key in CONTROL_KEYS
+
+
 def read_control_file(path: str, environ: Mapping[str, str]) -> PacingConfig:
     """Settings from a control file's KEY=VALUE lines layered over `environ`."""
-    merged = dict(environ)
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key, sep, value = line.partition("=")
-            key = key.strip()
-            if not sep or not key.startswith(PREFIX):
-                raise PacingConfigError(
-                    f"{path}:{number}: expected {PREFIX}*=VALUE, got {line!r}"
-                )
-            merged[key] = value.strip()
-    return PacingConfig.from_env(merged)
+    return PacingConfig.from_env({**environ, **read_settings_file(path, control_key, PacingConfigError)})
 
 
 def current_config(environ: Mapping[str, str] | None = None) -> PacingConfig:

@@ -54,8 +54,13 @@ n / C rounds, which should move that crossover out (to be measured: bench/gpu/gd
 from __future__ import annotations
 
 import functools
+import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+
+from prefill_gate._env import FileWatch, read_settings_file
+from prefill_gate.kernels import launch
 
 ENV = "PREFILL_GATE_GDN_RECURRENT"
 CHUNK_ENV = "PREFILL_GATE_GDN_CHUNK"
@@ -63,6 +68,11 @@ WALK_ENV = "PREFILL_GATE_GDN_WALK"
 ON_TOKENS = 512  # "on": the H200 sweep's last length where one launch still beats vLLM's path
 MAX_TOKENS = 4096
 CHUNKS = (16, 32)
+# The settings a control file may change on a running server (PREFILL_GATE_PACING_CONTROL_FILE,
+# the pacer's file: one file for the engine's settings), and how often the layers look at it.
+CONTROL_KEYS = (ENV, CHUNK_ENV, WALK_ENV, launch.ENV)
+CONTROL_POLL_SECONDS = 1.0
+logger = logging.getLogger("vllm.prefill_gate")
 
 
 class GdnRecurrentError(ValueError):
@@ -210,20 +220,69 @@ def installed() -> bool:
     return hasattr(getattr(layer_cls, "_forward_core", None), "prefill_gate_settings")
 
 
-def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, int] | None = None) -> None:
+class Control:
+    """The GDN settings of a running server, re-read from its control file when the file
+    changes (looked at no more than once a second, from the layers' own calls): the patch on or
+    off, its limit, the walk, chunks and fast launches, so that one server measures them side by
+    side. An emptied file gives back the environment's settings; a file with a bad value is
+    logged and the running settings kept. Start the server with the patch on: its warm-up
+    compiles the kernel only then (turned on later, the first short prompt compiles it)."""
+
+    def __init__(self, path: str, settings: dict, log: Callable[[str], None] = logger.info,
+                 clock: Callable[[], float] = time.monotonic, environ: Mapping[str, str] | None = None):
+        self.path, self.settings, self.log, self.clock = path, settings, log, clock
+        self.environ = os.environ if environ is None else environ
+        self._watch = FileWatch(path, CONTROL_POLL_SECONDS)
+
+    def poll(self) -> None:
+        if not self._watch.changed(self.clock()):  # unchanged, or absent: the running settings
+            return
+        try:
+            merged = {**self.environ, **read_settings_file(self.path, lambda key: True, GdnRecurrentError)}
+            settings = {"limit": mode_from_env(merged), "chunk": chunk_from_env(merged), "walk": walk_from_env(merged)}
+            fast = launch.enabled_from_env(merged)
+        except (OSError, ValueError) as exc:
+            logger.error("prefill-gate Gated DeltaNet: control file ignored, settings kept: %s", exc)
+            return
+        if settings == {k: self.settings[k] for k in settings} and fast == _fast_launch(None):
+            return
+        self.settings.update(settings)
+        _fast_launch(fast)
+        walk = settings["walk"]
+        self.log(f"Gated DeltaNet settings from {self.path}: {ENV}={settings['limit'] or 'off'}, "
+                 f"{CHUNK_ENV}={settings['chunk'] or 'off'}, {WALK_ENV}={'x'.join(map(str, walk)) if walk else 'off'}, "
+                 f"{launch.ENV}={'on' if fast else 'off'}")
+
+
+def _fast_launch(enabled: bool | None) -> bool:
+    """Our kernel's fast launches: set them (``enabled``) and say whether they are on."""
+    from prefill_gate.kernels import gated_delta
+
+    if enabled is not None:
+        gated_delta._launch.enabled = enabled
+    return gated_delta._launch.enabled
+
+
+def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, int] | None = None,
+            control: str | None = None) -> None:
     """Wrap ``layer_cls._forward_core`` so that eligible steps take ``recurrent_core``. Installing
-    again only replaces the settings (register() runs in every process); limit 0 restores vLLM's."""
+    again only replaces the settings (register() runs in every process); limit 0 restores vLLM's.
+    ``control``: a control file the layers re-read their settings from (``Control``)."""
     current = layer_cls._forward_core
     if hasattr(current, "prefill_gate_settings"):
         current.prefill_gate_settings.update(limit=limit, chunk=chunk, walk=walk)
+        current.prefill_gate_control[0] = Control(control, current.prefill_gate_settings, log) if control else None
         return
     if limit <= 0:
         return
     original = current
     settings = {"limit": limit, "chunk": chunk, "walk": walk}
+    watch = [Control(control, settings, log) if control else None]
 
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        if watch[0] is not None:
+            watch[0].poll()
         attn = vllm.get_forward_context().attn_metadata
         metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
         if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
@@ -232,6 +291,7 @@ def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, i
                        walk=settings["walk"])
 
     _forward_core.prefill_gate_settings = settings
+    _forward_core.prefill_gate_control = watch
     layer_cls._forward_core = _forward_core
     how = (f"prompts in chunks of {chunk} ({CHUNK_ENV})" if chunk else
            f"prompts token by token in a launch of their own, {walk[0]} value rows and {walk[1]} warps a program "

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from prefill_gate.engine_patches import _vllm
 from prefill_gate.engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
+from prefill_gate._env import FileWatch
 from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError, read_control_file
 from prefill_gate.engine_patches.cost_model import StepCostModel, features, is_mixed
 from prefill_gate.engine_patches.short_first import Arrangement, ShortFirst
@@ -359,8 +360,7 @@ class _PacingMixin:
         self._arrangement: Arrangement | None = None  # this step's, during super().schedule()
         self._sub_block_step = False  # a bounded step with SUB_BLOCK on, during super().schedule()
         self._control_path = os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None
-        self._control_seen: int | None = None  # the control file's mtime (ns) last read
-        self._control_next_poll = 0.0
+        self._control = FileWatch(self._control_path, CONTROL_POLL_SECONDS) if self._control_path else None
         trace = os.environ.get("PREFILL_GATE_PACING_TRACE_FILE") or None
         # line-buffered, so a killed engine leaves every step whose output came back in the file
         self._trace = open(trace, "a", buffering=1, encoding="utf-8") if trace else None  # noqa: SIM115 (open for the engine's life)
@@ -403,16 +403,8 @@ class _PacingMixin:
         )
 
     def _poll_control_file(self, now: float) -> None:
-        if now < self._control_next_poll:
+        if not self._control.changed(now):  # unchanged, or absent: keep the running settings
             return
-        self._control_next_poll = now + CONTROL_POLL_SECONDS
-        try:
-            mtime = os.stat(self._control_path).st_mtime_ns
-        except OSError:
-            return  # absent: keep the running settings
-        if mtime == self._control_seen:
-            return
-        self._control_seen = mtime
         try:
             config = read_control_file(self._control_path, os.environ)
         except (OSError, PacingConfigError) as exc:
@@ -426,7 +418,7 @@ class _PacingMixin:
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         now = self.pacing_clock()
-        if self._control_path is not None:
+        if self._control is not None:
             self._poll_control_file(now)
         if self.pacer.config.mode == "off":
             return super().schedule(throttle_prefills)

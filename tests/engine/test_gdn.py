@@ -240,3 +240,66 @@ def test_on_the_gpu_vllms_path_and_ours_agree():
         walked = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"walk": walk})
         assert walked["out_rel"] <= 2e-2 and walked["state_rel"] <= 2e-2 and walked["decode_out_equal"], (walk, walked)
 
+
+
+def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_path, monkeypatch):
+    """PREFILL_GATE_PACING_CONTROL_FILE (the pacer's) also carries the GDN settings: the layers
+    look at it at most once a second, take a changed file's settings, keep theirs on a bad one,
+    and get the environment's back from an emptied file; the fast launches follow."""
+    from prefill_gate.kernels import gated_delta
+
+    monkeypatch.setattr(gated_delta._launch, "enabled", False)
+    control, now, said = tmp_path / "control.env", [100.0], []
+    env = {gdn.ENV: "on", gdn.WALK_ENV: "8x1"}
+    settings = {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    watch = gdn.Control(str(control), settings, said.append, clock=lambda: now[0], environ=env)
+    stamps = iter(range(10**18, 10**19, 10**9))
+
+    def write(text):
+        control.write_text(text)
+        os.utime(control, ns=(next(stamps), next(stamps)))
+
+    watch.poll()  # no file: the running settings
+    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)} and said == []
+    write("PREFILL_GATE_PACING_TARGET_ITL_MS=40\nPREFILL_GATE_GDN_RECURRENT=off\nPREFILL_GATE_FAST_LAUNCH=on\n")
+    now[0] += 1.0
+    watch.poll()
+    assert settings["limit"] == 0 and gated_delta._launch.enabled  # vLLM's path, fast launches on
+    assert "PREFILL_GATE_GDN_RECURRENT=off" in said[-1] and "PREFILL_GATE_FAST_LAUNCH=on" in said[-1]
+    write("PREFILL_GATE_GDN_RECURRENT=256\n")
+    now[0] += 0.5
+    watch.poll()  # within the second: not looked at
+    assert settings["limit"] == 0
+    now[0] += 0.6
+    watch.poll()
+    assert settings == {"limit": 256, "chunk": 0, "walk": (8, 1)} and not gated_delta._launch.enabled
+    write("PREFILL_GATE_GDN_WALK=3x1\n")  # not a launch shape: refused, settings kept
+    now[0] += 1.1
+    watch.poll()
+    assert settings["limit"] == 256 and settings["walk"] == (8, 1)
+    write("")  # emptied: the environment's
+    now[0] += 1.1
+    watch.poll()
+    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+
+
+def test_the_wrapper_looks_at_the_control_file_on_its_calls(tmp_path):
+    step = metadata([1, 5], [True, False], [2, 3])
+    control = tmp_path / "control.env"
+    control.write_text("PREFILL_GATE_GDN_RECURRENT=off\n")
+
+    class Layer(FakeLayer):
+        pass
+
+    vllm = fake_vllm(step)
+    gdn.install(Layer, 64, vllm, lambda message: None, control=str(control))
+    patched = Layer()
+    FakeLayer.calls.clear()
+    mixed_qkv = torch.zeros(8, 2 * H * K + HV * V)
+    ab = torch.zeros(8, 2 * HV)
+    patched._forward_core(mixed_qkv, ab[:, :HV], ab[:, HV:], torch.zeros(8, HV, V))
+    assert Layer._forward_core.prefill_gate_settings["limit"] == 0 and FakeLayer.calls == [("vllm", 8)]
+    gdn.install(Layer, 64, vllm, lambda message: None)  # installed again without one: no file read
+    control.write_text("PREFILL_GATE_GDN_RECURRENT=128\n")
+    patched._forward_core(mixed_qkv, ab[:, :HV], ab[:, HV:], torch.zeros(8, HV, V))
+    assert Layer._forward_core.prefill_gate_settings["limit"] == 64

@@ -671,3 +671,16 @@ def test_the_control_file_changes_the_settings_and_keeps_what_was_measured(tiny_
     engine.now += 1.0
     engine.step()
     assert scheduler.pacer.config.target_itl_s == 0.040
+    # The GDN patch's settings share the file (its layers read them): the pacer takes the rest;
+    # a name that is no engine setting (a typo) refuses the file
+    control.write_text("PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=42\n"
+                       "PREFILL_GATE_GDN_WALK=4x1\nPREFILL_GATE_FAST_LAUNCH=on\n")
+    os.utime(control, ns=(next(stamps), next(stamps)))
+    engine.now += 1.0
+    engine.step()
+    assert scheduler.pacer.config.target_itl_s == 0.042
+    control.write_text("PREFILL_GATE_PACING=adaptive\nPREFILL_GATE_PACING_TARGET_ITL_MS=30\nPREFILL_GATE_GDN_WLAK=4x1\n")
+    os.utime(control, ns=(next(stamps), next(stamps)))
+    engine.now += 1.0
+    engine.step()
+    assert scheduler.pacer.config.target_itl_s == 0.042
