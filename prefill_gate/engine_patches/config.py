@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefill_gate._env import read_settings_file
-from prefill_gate.engine_patches.gdn import CONTROL_KEYS
+from prefill_gate.engine_patches.gdn import control_key
 from typing import Literal
 
 Mode = Literal["off", "cap", "cadence", "adaptive"]
@@ -160,12 +160,6 @@ class PacingConfig:
             f"target {self.target_itl_s * 1000:.1f} ms while a request decodes "
             f"(start {self.cap_tokens}, floor {self.min_tokens})"
         )
-
-
-def control_key(key: str) -> bool:
-    """May a control file set ``key``? Pacing's settings, and the GDN patch's (its layers read
-    the same file: engine_patches.gdn.Control)."""
-    return key.startswith(PREFIX) or key in CONTROL_KEYS
 
 
 def read_control_file(path: str, environ: Mapping[str, str]) -> PacingConfig:

@@ -72,6 +72,7 @@ CHUNKS = (16, 32)
 # the pacer's file: one file for the engine's settings), and how often the layers look at it.
 CONTROL_KEYS = (ENV, CHUNK_ENV, WALK_ENV, launch.ENV)
 CONTROL_POLL_SECONDS = 1.0
+PACING_PREFIX = "PREFILL_GATE_PACING"  # engine_patches.config's settings
 logger = logging.getLogger("vllm.prefill_gate")
 
 
@@ -220,6 +221,12 @@ def installed() -> bool:
     return hasattr(getattr(layer_cls, "_forward_core", None), "prefill_gate_settings")
 
 
+def control_key(key: str) -> bool:
+    """May a control file set ``key``? Pacing's settings, and the GDN patch's: the pacer and the
+    layers read the same file, and each refuses a file naming anything else (a typo)."""
+    return key.startswith(PACING_PREFIX) or key in CONTROL_KEYS
+
+
 class Control:
     """The GDN settings of a running server, re-read from its control file when the file
     changes (looked at no more than once a second, from the layers' own calls): the patch on or
@@ -238,7 +245,7 @@ class Control:
         if not self._watch.changed(self.clock()):  # unchanged, or absent: the running settings
             return
         try:
-            merged = {**self.environ, **read_settings_file(self.path, lambda key: True, GdnRecurrentError)}
+            merged = {**self.environ, **read_settings_file(self.path, control_key, GdnRecurrentError)}
             settings = {"limit": mode_from_env(merged), "chunk": chunk_from_env(merged), "walk": walk_from_env(merged)}
             fast = launch.enabled_from_env(merged)
         except (OSError, ValueError) as exc:

@@ -246,8 +246,10 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     """PREFILL_GATE_PACING_CONTROL_FILE (the pacer's) also carries the GDN settings: the layers
     look at it at most once a second, take a changed file's settings, keep theirs on a bad one,
     and get the environment's back from an emptied file; the fast launches follow."""
+    from prefill_gate.engine_patches import config
     from prefill_gate.kernels import gated_delta
 
+    assert gdn.PACING_PREFIX == config.PREFIX and config.control_key is gdn.control_key  # one rule, both readers
     monkeypatch.setattr(gated_delta._launch, "enabled", False)
     control, now, said = tmp_path / "control.env", [100.0], []
     env = {gdn.ENV: "on", gdn.WALK_ENV: "8x1"}
@@ -277,6 +279,10 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     now[0] += 1.1
     watch.poll()
     assert settings["limit"] == 256 and settings["walk"] == (8, 1)
+    write("PREFILL_GATE_GDN_RECURRENT=128\nPREFILL_GATE_GDN_WLAK=4x1\n")  # a typo: refused, settings kept
+    now[0] += 1.1
+    watch.poll()
+    assert settings["limit"] == 256
     write("")  # emptied: the environment's
     now[0] += 1.1
     watch.poll()
