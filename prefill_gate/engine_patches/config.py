@@ -59,10 +59,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from prefill_gate._env import read_settings_file
 from prefill_gate.engine_patches.gdn import control_key
-from typing import Literal
 
 Mode = Literal["off", "cap", "cadence", "adaptive"]
 MODES: tuple[Mode, ...] = ("off", "cap", "cadence", "adaptive")

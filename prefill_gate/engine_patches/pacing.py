@@ -48,9 +48,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefill_gate._env import FileWatch
 from prefill_gate.engine_patches import _vllm
 from prefill_gate.engine_patches._vllm import AsyncScheduler, Request, Scheduler, SchedulerOutput
-from prefill_gate._env import FileWatch
 from prefill_gate.engine_patches.config import PacingConfig, PacingConfigError, read_control_file
 from prefill_gate.engine_patches.cost_model import StepCostModel, features, is_mixed
 from prefill_gate.engine_patches.short_first import Arrangement, ShortFirst

@@ -74,7 +74,7 @@ class Launcher:
         if caches is None:  # Triton has not launched this kernel on this device yet
             self._first(grid, args, num_warps, constants, device)
             return
-        backend = caches[3]
+        backend = caches[3]  # Triton 3.6's (kernel cache, key cache, target, backend, binder)
         key = (device, num_warps, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
                tuple(constants.items()),
                tuple(native_specialize_impl(backend, a, False, True, True) for a in args))
