@@ -252,7 +252,7 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     assert gdn.PACING_PREFIX == config.PREFIX and config.control_key is gdn.control_key  # one rule, both readers
     monkeypatch.setattr(gated_delta._launch, "enabled", False)
     control, now, said = tmp_path / "control.env", [100.0], []
-    env = {gdn.ENV: "on", gdn.WALK_ENV: "8x1"}
+    env = {gdn.ENV: "on", gdn.WALK_ENV: "8x1", "PREFILL_GATE_FAST_LAUNCH": "off"}  # the server's own: launches off
     settings = {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
     watch = gdn.Control(str(control), settings, said.append, clock=lambda: now[0], environ=env)
     stamps = iter(range(10**18, 10**19, 10**9))
@@ -287,6 +287,14 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     now[0] += 1.1
     watch.poll()
     assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    write("PREFILL_GATE_FAST_LAUNCH=on\n")
+    now[0] += 1.1
+    watch.poll()
+    assert gated_delta._launch.enabled
+    write("")
+    now[0] += 1.1
+    watch.poll()
+    assert not gated_delta._launch.enabled  # the environment's again
 
 
 def test_the_wrapper_looks_at_the_control_file_on_its_calls(tmp_path):

@@ -73,8 +73,8 @@ def jit(monkeypatch):
 
 
 def test_the_setting_reads_on_and_off_and_refuses_anything_else():
-    assert not enabled_from_env({}) and enabled_from_env({"PREFILL_GATE_FAST_LAUNCH": " On "})
-    assert not enabled_from_env({"PREFILL_GATE_FAST_LAUNCH": "off"})  # the default until run on a GPU
+    assert enabled_from_env({}) and enabled_from_env({"PREFILL_GATE_FAST_LAUNCH": " On "})  # on since its GPU run
+    assert not enabled_from_env({"PREFILL_GATE_FAST_LAUNCH": "off"})
     with pytest.raises(FastLaunchError, match="expected on or off"):
         enabled_from_env({"PREFILL_GATE_FAST_LAUNCH": "1"})
 
