@@ -2,6 +2,7 @@
 prefill) and the proxy, each in its own process, with the seed shape."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ def test_seed_shape_direct_vs_through_the_proxy_holding():
     with Service("sim", "--preset", "h200-qwen3-8b", "--time-scale", "2", name="sim") as sim, \
             Service("serve", "--upstream", sim.url, "--slicing", "off", "--log-level", "warning",
                     name="proxy") as gate:
+        started = time.time()
         direct = asyncio.run(run_overlap(sim.url, shape=Shape(), progress=False))
         proxied = asyncio.run(run_overlap(gate.url, shape=Shape(), progress=False))
         health = __import__("httpx").get(gate.url + "/health").json()
@@ -41,6 +43,8 @@ def test_seed_shape_direct_vs_through_the_proxy_holding():
     for res in (direct, proxied):
         assert len(res["raw"][0]["a"]["tokens"]) == 58 and res["raw"][0]["a"]["error"] is None
         assert res["raw"][0]["client_gc"]["collections"] >= 0 and "max_ms" in res["raw"][0]["client_gc"]
+        # the run's zero on the wall clock (B alone was sent then): its gaps beside the servers' logs
+        assert started <= res["raw"][0]["t0_unix"] + 0.01 <= time.time(), (started, res["raw"][0]["t0_unix"])
     # and the gate is back to zero afterwards
     (up,) = health["upstreams"].values()
     assert health["queue_depth"] == 0 and up["active"] == up["live_decodes"] == up["large_prefills_in_flight"] == 0

@@ -46,6 +46,10 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
         assert "x step p50" in text and "stopping it" not in text
         assert (tmp_path / "mark").read_text().startswith("defaults hybrid ")
+        probe = tmp_path / "hybrid" / "work" / "host-probe.jsonl"  # the host's speed beside the run
+        assert probe.read_text().count("\n") >= 5 and '"samples":' in text
+        left = subprocess.run(["pgrep", "-f", str(probe)], capture_output=True, text=True)
+        assert left.stdout == "", left.stdout  # the probe ends with the call
 
         text = run("dense", ROWS="direct", PARTS="pair", PAIR_RUNS="1")
         assert text.count("is not this run's (defaults hybrid") == 2, text  # both servers replaced

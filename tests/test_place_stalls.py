@@ -50,3 +50,29 @@ def test_a_run_from_before_t0_unix_or_not_a_result_is_refused_with_the_reason(tm
     (tmp_path / "d.json").write_text("not json")
     assert place_stalls.main([str(tmp_path / "d.json")]) == 2
     assert "not a bench defaults result" in capsys.readouterr().err
+
+
+def test_the_pairs_worst_gaps_are_placed_beside_the_steps_and_the_hosts_speed(tmp_path, capsys):
+    """``--part pair``: each run's worst gap of B on the wall clock (its ``t0_unix``), with the
+    steps in it and the host probe's samples then, against their median: a slow machine shows."""
+    raw = [{"run": 1, "t0_unix": T0, "b": {"tokens": [1.00, 1.02, 1.04, 1.093, 1.11]}},
+           {"run": 2, "t0_unix": T0 + 30, "b": {"tokens": [1.00, 1.02, 1.07, 1.09]}},
+           {"run": 3, "b": {"tokens": [1.0, 2.0]}}]  # from before t0_unix: not placed
+    (tmp_path / "d.json").write_text(json.dumps({"rows": {"stack": {"pair": {"raw": raw}}}}))
+    trace = [{"unix": T0 + 1.041, "decode_rows": 1, "chunks": [[0, 255]], "predicted_s": 0.04},
+             {"unix": T0 + 1.092, "decode_rows": 1, "chunks": [[255, 38]], "predicted_s": 0.02}]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in trace) + "\n")
+    probe = [{"unix": T0 + t, "work_us": us, "busy": 0.2, "steal": st}
+             for t, us, st in [(0.5, 1000, 0.0), (1.06, 2100, 0.05), (2.0, 1000, 0.0), (31.0, 1010, 0.0),
+                               (31.05, 990, 0.0), (40.0, 1000, 0.0)]]
+    with gzip.open(tmp_path / "probe.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in probe) + '{"unix": 18')  # the line the kill cut
+    assert place_stalls.main([str(tmp_path / "d.json"), "--part", "pair", "--trace", str(tmp_path / "t.jsonl"),
+                              "--probe", str(tmp_path / "probe.jsonl.gz")]) == 0
+    first, second = capsys.readouterr().out.split("stall at ")[1:]
+    assert "53.0 ms, 1 stream(s) ['B, run 1']" in first and "255 prefill tokens" in first
+    assert "host probe at +20.0 ms: 2100 us, 2.10x its median, 5% stolen" in first
+    assert "50.0 ms, 1 stream(s) ['B, run 2']" in second and "1.01x its median" in second
+    (tmp_path / "old.json").write_text(json.dumps({"rows": {"stack": {"pair": {"raw": raw[2:]}}}}))
+    assert place_stalls.main([str(tmp_path / "old.json"), "--part", "pair"]) == 2
+    assert "no t0_unix" in capsys.readouterr().err

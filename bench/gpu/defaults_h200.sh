@@ -91,6 +91,17 @@ PAIR_RUNS=${PAIR_RUNS:-3}
 FRESH=""; [ "${PAIR_FRESH:-0}" = 1 ] && FRESH=--pair-fresh-proxy  # each pair run through a new proxy
 mkdir -p "$OUT" "$WORK"
 RES=$(cd "$WORK" && pwd)
+# The host's own speed beside the run, every 0.2 s (bench/gpu/host_probe.py, ~1 ms of one core a
+# sample): a step that ran long while the probe's fixed work ran slow too was the machine's, not
+# the engine's (`place_stalls.py --probe WORK/host-probe.jsonl`; in the parts tarball).
+RESET_CONTROL=0
+python3 bench/gpu/host_probe.py "$RES/host-probe.jsonl" --every 0.2 &
+PROBE_PID=$!
+cleanup() {
+  kill "$PROBE_PID" 2>/dev/null
+  [ "$RESET_CONTROL" = 1 ] && : > "$CONTROL_FILE"  # the server's own settings back, however this ends
+}
+trap cleanup EXIT
 RUNS=1
 STOCK=${STOCK_PORT:-8001} PACED=${PACED_PORT:-8002}
 # Not pip-installed there: the engine patches' entry points (the plugin, and the stat logger
@@ -194,7 +205,7 @@ if [ -n "${CONTROL:-}" ]; then
   VARIANT=${VARIANT:-$(printf '%s' "$CONTROL" | sed 's/PREFILL_GATE_//g; s/[^A-Za-z0-9.]\{1,\}/-/g')}
   BENCH_WORK=$RES/variant-$VARIANT
   mkdir -p "$BENCH_WORK"
-  trap ': > "$CONTROL_FILE"' EXIT  # the server's own settings back, however this ends
+  RESET_CONTROL=1  # cleanup() empties the control file, however this ends
   printf '%s\n' $CONTROL > "$CONTROL_FILE"
   # read as the server will (a file it refuses, it ignores: the parts would run on its own settings)
   settings=$(python3 - "$CONTROL_FILE" "${PACED_ENV[@]}" PREFILL_GATE_PACING=adaptive <<'PY'
@@ -249,6 +260,8 @@ if [ "${PROFILE:-0}" = 1 ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
   if [ -n "$newest" ]; then case "$newest" in *.gz) cp "$newest" "$RES/profile-trace.json.gz" ;;
     *) gzip -c "$newest" > "$RES/profile-trace.json.gz" ;; esac; fi
 fi
+kill "$PROBE_PID" 2>/dev/null; wait "$PROBE_PID" 2>/dev/null
+python3 bench/gpu/host_probe.py --summary "$RES/host-probe.jsonl" 2>&1 | grep -E '"(samples|work_us_p50|work_us_p90|work_us_max|slow_share|steal_max)"' | tr -d '\n '; echo
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the

@@ -1,7 +1,7 @@
 """Set a run's worst stream gaps beside what the servers logged at that moment.
 
     python3 bench/gpu/place_stalls.py OUT/defaults.json [--gc OUT/gc-pauses.log]
-        [--trace OUT/paced-trace.jsonl.gz] [--row stack] [--part steady]
+        [--trace OUT/paced-trace.jsonl.gz] [--probe WORK/host-probe.jsonl] [--row stack] [--part steady|pair]
 
 For each stall of the steady phase's ``worst_gaps`` (gaps that began within 5 ms of each other
 are one stall: the same engine moment), its wall-clock window (the phase's ``t0_unix`` plus
@@ -9,7 +9,12 @@ the gap's times), the cycle-collector pauses (``gc-pauses.log``, the plugin's an
 proxy's lines) that overlap it, and the paced engine's steps (``PREFILL_GATE_PACING_TRACE_FILE``)
 that began in it, each with how long it lasted until the next step began. A stall with a
 long collection inside names itself; one whose steps all stayed short was made after the
-engine (its output path, the proxy, the client).
+engine (its output path, the proxy, the client). ``--probe``: the host's own speed then
+(``host_probe.py``'s samples, each against their median): a stall whose steps ran long while the
+probe's work ran slow too was the machine's, not the engine's.
+
+``--part pair``: the seed pair's runs instead (each run's worst gap of B; runs measured since
+``t0_unix`` was recorded with them).
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_probe  # noqa: E402  (bench/gpu/host_probe.py)
+
 SAME_STALL_S = 0.005
+PROBE_MARGIN_S = 0.1  # probe samples this close to a stall count as its
 _GC = re.compile(r"held .*? ([\d.]+) ms.*?ending at ([\d.]+) \(unix s\)")
 
 
@@ -37,6 +46,30 @@ def stalls(worst: list[list[float]], t0_unix: float) -> list[dict]:
         else:
             out.append({"start": start, "end": end, "gap_ms": gap, "users": [user]})
     return out
+
+
+def pair_stalls(raw: list[dict]) -> list[dict]:
+    """Each pair run's worst gap of B, on the wall clock (runs without ``t0_unix``: skipped)."""
+    out = []
+    for run in raw:
+        tokens = (run.get("b") or {}).get("tokens") or []
+        if "t0_unix" not in run or len(tokens) < 2:
+            continue
+        gap, i = max((b - a, i) for i, (a, b) in enumerate(zip(tokens, tokens[1:])))
+        start = run["t0_unix"] + tokens[i]
+        out.append({"start": start, "end": start + gap, "gap_ms": gap * 1e3, "users": [f"B, run {run['run']}"]})
+    return out
+
+
+def probe_near(stall: dict, probe: list[dict]) -> list[dict]:
+    """The host probe's samples during ``stall`` (within PROBE_MARGIN_S), each as x the median."""
+    if not probe:
+        return []
+    median = sorted(r["work_us"] for r in probe)[len(probe) // 2]
+    lo, hi = stall["start"] - PROBE_MARGIN_S, stall["end"] + PROBE_MARGIN_S
+    return [{"at_ms": round((r["unix"] - stall["start"]) * 1e3, 1), "work_us": r["work_us"],
+             "x_median": round(r["work_us"] / median, 2), "steal": r.get("steal")}
+            for r in probe if lo <= r["unix"] <= hi]
 
 
 def collections(lines: list[str]) -> list[tuple[float, float, str]]:
@@ -85,24 +118,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("defaults", type=Path, help="defaults.json (bench defaults)")
     p.add_argument("--gc", type=Path, help="gc-pauses.log")
     p.add_argument("--trace", type=Path, help="the paced server's step trace (.jsonl or .jsonl.gz)")
+    p.add_argument("--probe", type=Path, help="host_probe.py's samples (host-probe.jsonl)")
     p.add_argument("--row", default="stack")
-    p.add_argument("--part", default="steady")
+    p.add_argument("--part", default="steady", choices=("steady", "sparse", "pair"))
     args = p.parse_args(argv)
     try:
-        mixed = json.loads(args.defaults.read_text())["rows"].get(args.row, {}).get(args.part, {}).get("mixed")
+        part = json.loads(args.defaults.read_text())["rows"].get(args.row, {}).get(args.part)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"{args.defaults}: not a bench defaults result ({exc!r})", file=sys.stderr)
         return 2
-    if mixed is None:
+    if not isinstance(part, dict) or (args.part != "pair" and not isinstance(part.get("mixed"), dict)):
         print(f"{args.defaults}: no {args.row} {args.part} part", file=sys.stderr)
         return 2
-    if "t0_unix" not in mixed:
+    if args.part == "pair":
+        raw = part.get("raw") or []
+        timed, found = any("t0_unix" in r for r in raw), pair_stalls(raw)
+    else:
+        timed = "t0_unix" in part["mixed"]
+        found = stalls(part["mixed"]["worst_gaps"], part["mixed"]["t0_unix"]) if timed else []
+    if not timed:
         print(f"{args.defaults}: the {args.row} {args.part} part has no t0_unix (measured before it was "
               "recorded): its gaps cannot be placed on the wall clock", file=sys.stderr)
         return 2
     gcs = collections(_read(args.gc)) if args.gc else []
     trace = steps([json.loads(x) for x in _read(args.trace) if x.strip()]) if args.trace else []
-    for s in stalls(mixed["worst_gaps"], mixed["t0_unix"]):
+    probe = host_probe.read(args.probe) if args.probe else []
+    for s in found:
         s = place(s, gcs, trace)
         print(f"stall at {s['start']:.3f}: {s['gap_ms']:.1f} ms, {len(s['users'])} stream(s) "
               f"{sorted(s['users'])}, ended by {s['end'] - s['start']:.3f} s")
@@ -112,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             lasted = "to the trace's end" if st["lasted_ms"] is None else f"lasting {st['lasted_ms']} ms"
             print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
                   f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms")
+        for pr in probe_near(s, probe):
+            print(f"  host probe at {pr['at_ms']:+.1f} ms: {pr['work_us']:.0f} us, {pr['x_median']:.2f}x its median"
+                  + (f", {pr['steal']:.0%} stolen" if pr.get("steal") else ""))
     return 0
 
 

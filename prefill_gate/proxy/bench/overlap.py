@@ -238,7 +238,8 @@ async def run_overlap(base_url: str, model: str | None = None, shape: Shape = Sh
                 raise RuntimeError(f"run {i + 1} failed: {errors or 'B ended before A was sent'}")
             per_run.append(_run_metrics(b_solo, a_solo, b_trace, a_trace))
             t0 = b_solo.sent
-            raw.append({"run": i + 1, "a_prompt_tokens": a_count, "b_solo": _trace_json(b_solo, t0),
+            t0_unix = round(time.time() - (time.monotonic() - t0), 3)  # the times below + this = a log's
+            raw.append({"run": i + 1, "t0_unix": t0_unix, "a_prompt_tokens": a_count, "b_solo": _trace_json(b_solo, t0),
                         "a_solo": _trace_json(a_solo, t0), "b": _trace_json(b_trace, t0),
                         "a": _trace_json(a_trace, t0), "client_gc": collections.summary(t0)})
         if progress and tty:
