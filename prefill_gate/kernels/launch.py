@@ -24,7 +24,9 @@ bench/gpu/gdn_launch_time.py ran on an H100 (bench/results/hybrid/h100/run-667ef
 call's host work 75.8 against 90.7 us at a 300-token prompt, 109 against 148 us at 16 tokens).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``) every call goes through Triton: there is no
-compiled kernel to keep.
+compiled kernel to keep. On a Triton whose device cache is laid out otherwise than 3.6's (vLLM
+0.26's), the first repeat launch finds out, turns fast launches off for that kernel, says so once
+and goes through Triton.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 
+import logging
+
 from prefill_gate._env import switch
 
 ENV = "PREFILL_GATE_FAST_LAUNCH"
+logger = logging.getLogger("vllm.prefill_gate")
 
 
 class FastLaunchError(ValueError):
@@ -75,10 +80,19 @@ class Launcher:
         if caches is None:  # Triton has not launched this kernel on this device yet
             self._first(grid, args, num_warps, constants, device)
             return
-        backend = caches[3]  # Triton 3.6's (kernel cache, key cache, target, backend, binder)
-        key = (device, num_warps, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               tuple(constants.items()),
-               tuple(native_specialize_impl(backend, a, False, True, True) for a in args))
+        try:
+            backend = caches[3]  # Triton 3.6's (kernel cache, key cache, target, backend, binder)
+            key = (device, num_warps, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                   tuple(constants.items()),
+                   tuple(native_specialize_impl(backend, a, False, True, True) for a in args))
+        except (TypeError, AttributeError, IndexError, ValueError) as exc:
+            # Another Triton than the one this was built on (vLLM 0.26's 3.6): its own launches
+            # from now on, said once, rather than a serving engine failing on every layer.
+            self.enabled = False
+            logger.warning("prefill-gate: %s off for %s: this Triton's launch internals differ (%s: %s); "
+                           "Triton launches it", ENV, getattr(self.kernel, "__name__", self.kernel), type(exc).__name__, exc)
+            self.kernel[grid](*args, num_warps=num_warps, **constants)
+            return
         compiled = self._compiled.get(key)
         if compiled is None:
             self._first(grid, args, num_warps, constants, device, key)

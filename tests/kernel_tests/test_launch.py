@@ -150,3 +150,18 @@ def test_the_gated_delta_kernel_launches_through_a_launcher_that_reads_the_setti
     monkeypatch.setenv(launch_mod.ENV, "off")
     assert not Launcher(gated_delta._gated_delta_kernel).enabled
     assert triton.next_power_of_2(300) == gated_delta._pow2(300) == 512 and gated_delta._pow2(1) == 1
+
+
+def test_a_triton_whose_launch_internals_differ_gets_its_own_launches_back_said_once(jit, caplog):
+    """On another Triton than 3.6 the device cache may hold something else where the backend
+    was: the launch goes through Triton, fast launches turn off for that kernel, one warning."""
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch = Launcher(jit, enabled=True)
+    launch((1,), x, y, 64, 0.5, num_warps=4, BLOCK=64)  # the first: through Triton, which fills the cache
+    jit.device_caches[0] = ({}, {}, None)  # a layout with no backend at [3]
+    with caplog.at_level("WARNING", logger="vllm.prefill_gate"):
+        for _ in range(3):
+            launch((1,), x, y, 64, 0.5, num_warps=4, BLOCK=64)
+            jit.device_caches[0] = ({}, {}, None)
+    assert len(jit.slow) == 4 and launch.fast_launches == 0 and not launch.enabled
+    assert caplog.text.count("PREFILL_GATE_FAST_LAUNCH off") == 1 and "IndexError" in caplog.text
