@@ -32,9 +32,8 @@ and goes through Triton.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-
 import logging
+from collections.abc import Mapping
 
 from prefill_gate._env import switch
 
