@@ -6,9 +6,10 @@
 #   bash bench/gpu/stage.sh --check    # only check: what is there, what is missing (exit 1 if any)
 #
 # Builds, in the repository's ignored folders (added to .git/info/exclude):
-#   .gpu/p1 .gpu/p2 ...        vLLM 0.26.0's slim site (~92 MiB) in chunks of 32 MiB (CHUNK_MIB):
-#                              one per call, beside the ~24 MiB tracked tree, under the 64 MiB a
-#                              call may carry (--check says when the tree has grown past that)
+#   .gpu/p1 .gpu/p2 ...        vLLM 0.26.0's slim site (~92 MiB) in chunks (CHUNK_MIB; by
+#                              default the largest that fits beside the tracked tree, at most 32 MiB):
+#                              one per call, under the 64 MiB a call may carry (--check says
+#                              when the tree has grown past the chunks made before)
 #   .gpu/device_setup.sh       `stash` a chunk / `setup` (assemble, unpack once, export PYTHONPATH)
 #   .gpu/model-qwen3-8b        the dense model's folder (config + 256-token tokenizer; dummy weights)
 #   .gpu/model-hybrid-27b      the 27B Gated DeltaNet hybrid's folder (bench/gpu/hybrid_model.py)
@@ -20,7 +21,15 @@ cd "$(dirname "$0")/../.."
 STAGE=${STAGE_DIR:-.gpu}
 WHEELS=${WHEEL_DIR:-.whl}
 SHARED=${SHARED_GPU:-../shared/gpu}
-CHUNK=${CHUNK_MIB:-32}M
+tree_mib() {  # the tracked tree's size in MiB, rounded up (it travels with every call)
+  git rev-parse --git-dir >/dev/null 2>&1 || { echo 0; return; }
+  git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print int((s + 1048575) / 1048576)}'
+}
+# A chunk travels beside the tracked tree and ~1 MiB of setup, models, entry points and wheels:
+# by default the largest that fits the 62 MiB a call may carry, at most 32 MiB.
+AUTO_CHUNK=$(( 61 - $(tree_mib) ))
+[ "$AUTO_CHUNK" -gt 32 ] && AUTO_CHUNK=32
+CHUNK=${CHUNK_MIB:-$AUTO_CHUNK}M
 CHUNK_BYTES=$(( ${CHUNK:0:-1} * 1048576 ))
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python  # has tokenizers, which the model folders need
