@@ -9,8 +9,10 @@ import os
 import pickle
 import signal
 
+import httpx
 import pytest
 
+from prefill_gate.proxy.app import create_app
 from prefill_gate.proxy.bodies import (
     ID_BYTES,
     is_json,
@@ -173,6 +175,61 @@ async def test_a_dead_worker_costs_the_request_nothing_and_the_next_body_a_fresh
         assert reader._pool is not None and reader._pool is not pool
     finally:
         reader.close()
+
+
+async def test_start_brings_every_worker_up_and_the_first_big_body_uses_them():
+    """``start`` (run at the proxy's start) spawns each worker and waits for its answer, so the
+    first long prompt does not wait for a spawn; its body goes to those same processes."""
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=2)
+    try:
+        await reader.start()
+        pool = reader._pool
+        assert pool is not None
+        started = {pid for pid, p in pool._processes.items() if p.is_alive()}
+        assert len(started) == 2
+        big = chat(filler="x" * 5000)
+        assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)
+        assert reader._pool is pool and set(pool._processes) == started  # no new process for it
+    finally:
+        reader.close()
+
+
+async def test_start_with_no_workers_or_no_processes_starts_nothing_and_reads_inline(monkeypatch):
+    import prefill_gate.proxy.bodies
+
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=0)
+    await reader.start()
+    assert reader._pool is None
+
+    def no_semaphores(*args, **kwargs):
+        raise ImportError("This platform lacks a functioning sem_open implementation")
+
+    monkeypatch.setattr(prefill_gate.proxy.bodies, "ProcessPoolExecutor", no_semaphores)
+    reader = BodyReader({"chat": CHAT}, offload_bytes=4096, workers=2)
+    await reader.start()  # logged once, not raised: the proxy starts all the same
+    big = chat(filler="x" * 5000)
+    assert reader._pool is None and not reader.offloads(len(big))
+    assert _as_sent(await reader.read(big, "chat"), CHAT) == _as_sent(read(big, CHAT), CHAT)
+
+
+async def test_the_served_app_starts_its_workers_before_any_request(fake):
+    """``prefill-gate serve`` makes its app with ``start_workers``: the workers come up with the
+    server, and stop with it."""
+    from conftest import make_state, serve
+
+    state = make_state(httpx.MockTransport(fake), offload_body_bytes=4096, body_workers=1)
+    app = create_app(state, health_checks=False, start_workers=True)
+    async with serve(app):
+        for _ in range(300):  # (a spawn: well under a second here; 30 s is a hang)
+            pool = state.bodies._pool
+            if pool is not None and any(p.is_alive() for p in pool._processes.values()) \
+                    and not pool._pending_work_items:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("no body reader process came up with the server")
+        assert not fake.requests  # nothing sent upstream to get there
+    assert state.bodies._pool is None  # closed with the server
 
 
 # ---------------------------------------------------------------- through the app

@@ -228,15 +228,22 @@ class GateApp:
         await GatedExchange(self.state, req)(scope, receive, send)
 
 
-def create_app(state: AppState, *, health_checks: bool = True) -> GateApp:
+def create_app(state: AppState, *, health_checks: bool = True, start_workers: bool = False) -> GateApp:
+    """The proxy's ASGI app. ``health_checks``: probe the upstreams in the background;
+    ``start_workers``: start the body reader processes with the app (``BodyReader.start``),
+    not with the first big body (``prefill-gate serve`` does; tests that make many apps not)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(state.routing.check_forever(
-            state.client, state.settings.health_interval)) if health_checks else None
+        tasks = []
+        if health_checks:
+            tasks.append(asyncio.create_task(state.routing.check_forever(
+                state.client, state.settings.health_interval)))
+        if start_workers:
+            tasks.append(asyncio.create_task(state.bodies.start()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

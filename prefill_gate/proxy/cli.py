@@ -86,7 +86,7 @@ async def _serve(settings: Settings) -> None:
         servers.append(sim.serve(sockets=[sock]))
         settings = settings.model_copy(update={"upstreams": [url]})
     state = build_state(settings)
-    app = create_app(state)
+    app = create_app(state, start_workers=True)
     log.info("prefill-gate on http://%s:%d -> %s (large prefill >= %d tokens, max queue wait %g s, %s relay core)",
              settings.host, settings.port, ", ".join(settings.upstreams), settings.large_prefill_tokens,
              settings.max_queue_wait, state.relay_core)
