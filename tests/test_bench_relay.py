@@ -6,6 +6,7 @@ import importlib.util
 import json
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -174,8 +175,6 @@ def test_relay_router_gives_vllm_router_a_metrics_port_of_its_own(tmp_path):
     left over from an interrupted run (renamed ``vllm::router``, so ``pkill -f vllm-router``
     misses it) made the next run's router panic. Each router now gets a free loopback port:
     two at once start, each with its own, and neither on 29000."""
-    import sys
-
     relay_router = _bench("relay_router")
     argv = relay_router.router_argv("vr", "http://w", 8001, 8002)
     assert argv[argv.index("--prometheus-port") + 1] == "8002"
@@ -365,3 +364,19 @@ def test_request_costs_times_plain_functions_and_leaves_the_rest():
     assert [r["function"] for r in rows] == ["b", "a"]
     assert rows[1] == {"function": "a", "calls_per_request": 1.5, "us_median": 2.0, "us_p90": 3.0,
                        "us_per_request": 3.0}
+
+
+def test_first_prompt_times_a_new_proxys_first_big_request_and_the_same_again(tmp_path):
+    """bench/first_prompt.py, one round: the upstream direct, then a fresh `prefill-gate serve`'s
+    first and second requests; the JSON keeps every round's times and the commit."""
+    out = tmp_path / "first.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "first_prompt.py"), "--rounds", "1", "--settle", "0.5",
+                    "--kind", "tool:70000", "--json", str(out)], check=True, cwd=ROOT, capture_output=True,
+                   timeout=120)
+    data = json.loads(out.read_text())
+    assert data["body_bytes"] >= 64 * 1024  # big enough for the body readers (offload_body_bytes)
+    assert [(r["target"], r["request"]) for r in data["rows"]] == [
+        ("upstream direct", "any"), ("prefill-gate", "first"), ("prefill-gate", "second")]
+    (run,) = data["runs"]["prefill-gate"]
+    assert run["first"] > 0 and run["second"] > 0 and len(data["direct_ms"]) == 1
+    assert "git_commit" in data and "git_dirty" in data
