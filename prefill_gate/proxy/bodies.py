@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -198,6 +201,22 @@ def _unpacked(answer: tuple, raw: bytes) -> RequestBody:
     return body
 
 
+PARENT_WATCH_S = 1.0  # how often a worker looks whether the proxy that started it is still there
+
+
+def _watch_parent(parent: int) -> None:
+    """A worker's initializer: end the worker once the proxy that started it is gone. A proxy
+    that dies without shutting its pool down (SIGKILL, the OOM killer, or SIGTERM re-raised
+    before the pool's thread told the workers) leaves workers blocked on their queue for ever,
+    since each holds the queue's write end itself."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_WATCH_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _ready() -> bool:
     """A worker's first task (``BodyReader.start``): answering it, the worker has imported
     this module and takes bodies at once."""
@@ -286,7 +305,8 @@ class BodyReader:
     async def _in_worker(self, fn, *args):
         if self._pool is None:
             try:
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_watch_parent, initargs=(os.getpid(),))
             except (OSError, ImportError, NotImplementedError) as exc:  # (no working sem_open, say)
                 log.error("no body reader processes here (%s: %s); reading every body on the event loop",
                           type(exc).__name__, exc)
@@ -328,9 +348,16 @@ class BodyReader:
             raise _CannotStart(f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
+        """Stop the workers now (the proxy is going away): what they were reading is no one's
+        any more, and a process that exits right after (uvicorn re-raises SIGTERM) must not leave
+        them behind waiting for work."""
         if self._pool is not None:
+            workers = list((getattr(self._pool, "_processes", None) or {}).values())
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+            for proc in workers:
+                with contextlib.suppress(OSError, ValueError):  # (gone already; closed)
+                    proc.terminate()
 
 
 # ------------------------------------------------------------- parse and bounds
