@@ -254,8 +254,9 @@ class BodyReader:
     async def start(self) -> None:
         """Starts the worker processes now and waits until each has answered once, so that the
         first big body finds them ready instead of waiting for a spawn (a fresh interpreter and
-        this module's imports: 0.3-0.7 s; the first long prompt through a new proxy took that
-        much longer than the same prompt sent straight to vLLM). Run in the background at the
+        this module's imports: a new proxy's first 110 KB request waited 134-177 ms for it on a
+        2-core VM, bench/results/first-prompt.json; a 28.6k-token prompt ~0.2-0.3 s on an H100
+        host). Run in the background at the
         proxy's start: a body that comes first queues behind the warm-up, no worse than before.
         A pool that cannot start is handled as for a body (logged once, bodies read inline)."""
         if self.workers > 0:
