@@ -255,3 +255,27 @@ async def stream_events(url: str, max_tokens: int, content: str = "hello",
                 if started is not None and len(events) >= 5:
                     started.set()
     return events
+
+
+def children_of(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid`` (Linux's /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

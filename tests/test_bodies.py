@@ -423,32 +423,6 @@ def test_with_member_copies_once_and_answers_as_the_plain_version_did():
     assert with_member(b" " * 5000 + b'{"a":1}', member) is None
 
 
-def _children(pid: int) -> set[int]:
-    """The processes whose parent is ``pid`` (Linux's /proc)."""
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.add(int(entry))
-    return kids
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_proxy_that_ends_leaves_no_body_reader_behind(how):
@@ -458,25 +432,29 @@ def test_a_proxy_that_ends_leaves_no_body_reader_behind(how):
     stops them, and each worker ends itself once its proxy is gone."""
     import time
 
+    from conftest import alive, children_of
     from prefill_gate.proxy.bench.services import Service
+
+    def living(pids: set[int]) -> set[int]:
+        return {p for p in pids if alive(p)}
 
     proxy = Service("serve", "--upstream", "http://127.0.0.1:9", "--body-workers", "2", name="proxy")
     everyone: set[int] = set()
     try:
         deadline = time.monotonic() + 30
-        while len(workers := {k for k in _children(proxy.proc.pid)
+        while len(workers := {k for k in children_of(proxy.proc.pid)
                               if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()}) < 2:
             assert time.monotonic() < deadline, "the workers did not start with the server"
             time.sleep(0.1)
-        everyone = _children(proxy.proc.pid)  # the workers and multiprocessing's resource tracker
+        everyone = set(children_of(proxy.proc.pid))  # the workers and multiprocessing's resource tracker
         proxy.proc.send_signal(how)
         proxy.proc.wait(timeout=15)
         deadline = time.monotonic() + 10  # (a worker looks for its parent every PARENT_WATCH_S)
-        while _alive(everyone) and time.monotonic() < deadline:
+        while living(everyone) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(everyone), f"left behind: {sorted(_alive(everyone))} of workers {sorted(workers)}"
+        assert not living(everyone), f"left behind: {sorted(living(everyone))} of workers {sorted(workers)}"
     finally:
         proxy.stop()
-        for pid in _alive(everyone):  # (a failed run leaves nothing behind either)
+        for pid in living(everyone):  # (a failed run leaves nothing behind either)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
