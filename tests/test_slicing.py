@@ -162,6 +162,23 @@ async def test_each_slice_waits_for_settle_first():
     assert run.settling_s == 0.25 * run.slices
 
 
+async def test_each_slices_round_trip_is_recorded_from_sent_to_answered():
+    """The run keeps each slice's time from its send to its answer (the log line's ``round
+    trips``): where a slice's wall time goes beside its step, the engine's intake or its step."""
+    now = [0.0]
+    took = iter([0.040, 0.025, 0.060, 0.010])
+
+    async def send(body: bytes) -> bool:
+        now[0] += next(took)
+        return True
+
+    sizer = SliceSizer(0.03, 256, 256, 256)
+    run = await run_slices(list(range(1000)), 16, sizer, send, model=None, cache_salt=None, deadline=float("inf"),
+                           window=lambda: None, window_end=gap_of(0.01), clock=lambda: now[0])
+    assert run.slices == 4 and run.round_trips == pytest.approx([0.040, 0.025, 0.060, 0.010])
+    assert run.seconds == pytest.approx(sum(run.round_trips))
+
+
 async def test_two_slices_in_flight_overlap_in_order_after_the_first_round_trip():
     """inflight=2: the first slice goes alone (its round trip sets the spacing), then each
     slice is sent while the previous one is still answering, never more than two at once,

@@ -97,8 +97,12 @@ RES=$(cd "$WORK" && pwd)
 RESET_CONTROL=0
 python3 bench/gpu/host_probe.py "$RES/host-probe.jsonl" --every 0.2 &
 PROBE_PID=$!
+# And the card's: SM clock, power, temperature and NVML's reasons for holding the clocks, every
+# 0.2 s (bench/gpu/gpu_probe.py; `--pairs` sets them beside each seed-pair run's long prompt).
+GPU_PROBE_PID=""
+if [ "${DRY_RUN:-0}" != 1 ]; then python3 bench/gpu/gpu_probe.py "$RES/gpu-probe.jsonl" --every 0.2 & GPU_PROBE_PID=$!; fi
 cleanup() {
-  kill "$PROBE_PID" 2>/dev/null
+  kill "$PROBE_PID" $GPU_PROBE_PID 2>/dev/null
   [ "$RESET_CONTROL" = 1 ] && : > "$CONTROL_FILE"  # the server's own settings back, however this ends
 }
 trap cleanup EXIT
@@ -260,8 +264,12 @@ if [ "${PROFILE:-0}" = 1 ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
   if [ -n "$newest" ]; then case "$newest" in *.gz) cp "$newest" "$RES/profile-trace.json.gz" ;;
     *) gzip -c "$newest" > "$RES/profile-trace.json.gz" ;; esac; fi
 fi
-kill "$PROBE_PID" 2>/dev/null; wait "$PROBE_PID" 2>/dev/null
+kill "$PROBE_PID" $GPU_PROBE_PID 2>/dev/null; wait "$PROBE_PID" $GPU_PROBE_PID 2>/dev/null
 python3 bench/gpu/host_probe.py --summary "$RES/host-probe.jsonl" 2>&1 | grep -E '"(samples|work_us_p50|work_us_p90|work_us_max|slow_share|steal_max)"' | tr -d '\n '; echo
+if [ -s "$RES/gpu-probe.jsonl" ]; then
+  python3 bench/gpu/gpu_probe.py --summary "$RES/gpu-probe.jsonl" | tr -d '\n '; echo
+  [ -f "$OUT/defaults.json" ] && python3 bench/gpu/gpu_probe.py --pairs "$RES/gpu-probe.jsonl" "$OUT/defaults.json"
+fi
 grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
 grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the

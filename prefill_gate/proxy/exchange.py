@@ -339,8 +339,9 @@ class GatedExchange(Exchange):
         if log.isEnabledFor(logging.INFO):
             fit = sizer.model()
             log.info("sliced request #%d on %s: %d slices, %d tokens in %.3f s; slice tokens %s; largest gaps ms %s; "
-                     "cost model %s%s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds, run.sizes,
-                     [None if g is None else round(g * 1000, 1) for g in run.gaps],
+                     "round trips ms %s; cost model %s%s", req.ticket.id, upstream, run.slices, run.tokens, run.seconds,
+                     run.sizes, [None if g is None else round(g * 1000, 1) for g in run.gaps],
+                     [round(t * 1000, 1) for t in run.round_trips],
                      "none yet" if fit is None else
                      f"a={fit.a * 1000:.2f} ms b={fit.b * 1e6:.3f} us c={fit.c * 1e9:.4f} ns margin={fit.margin * 1000:.1f} ms"
                      + (f", a step at {fit.step_at} tokens ({fit.step_gap * 1000:.1f} ms at most below it)"

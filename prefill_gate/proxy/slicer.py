@@ -435,6 +435,7 @@ class SliceRun:
     settling_s: float = 0.0  # waited for other requests' prefills to end before slices
     gaps: list[float | None] = field(default_factory=list)  # each slice's largest protected gap (None: unseen)
     sizes: list[int] = field(default_factory=list)  # each slice's new tokens
+    round_trips: list[float] = field(default_factory=list)  # each slice's time from sent to answered, seconds
 
 
 SendSlice = Callable[[bytes], Awaitable[bool]]  # body -> whether the upstream answered 200
@@ -504,6 +505,7 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
             sizer.after(gap, end - run.tokens, run.tokens)
             run.gaps.append(gap)
             run.sizes.append(end - run.tokens)
+            run.round_trips.append(round_trip)
             run.slices += 1
             run.tokens = end
     finally:
