@@ -98,6 +98,46 @@ def test_the_hybrid_suite_judges_the_stack_by_issue_50s_bounds():
     assert not any(v["metric"].startswith("short") for v in judge(results))  # not a promise of the defaults
 
 
+def test_every_row_runs_a_part_before_any_row_runs_the_next(tmp_path, monkeypatch):
+    """Rows meet the engine after the same kind of load: each part for every row, then the next
+    part (row by row, the proxy's first pair followed the direct row's steady load). Parts
+    already in the work folder are skipped; a pair with fresh proxies goes through its own."""
+    import contextlib
+    import json
+    from types import SimpleNamespace
+
+    ran = []
+
+    def fake_part(self, row, url, part):
+        ran.append((row, part, url))
+        (self.work / f"{row}-{part}.json").write_text(json.dumps({"row": row, "part": part, "result": {}}))
+
+    def fake_fresh(self, row, engine):
+        ran.append((row, "pair", "fresh proxies"))
+        (self.work / f"{row}-pair.json").write_text(json.dumps({"row": row, "part": "pair", "result": {}}))
+
+    @contextlib.contextmanager
+    def fake_proxy(self, row, engine, name):
+        yield SimpleNamespace(url=f"proxy of {row} -> {engine}")
+
+    monkeypatch.setattr(Runner, "_part", fake_part)
+    monkeypatch.setattr(Runner, "_fresh_pairs", fake_fresh)
+    monkeypatch.setattr(Runner, "_proxy", fake_proxy)
+    (tmp_path / "proxy-sparse.json").write_text("{}")  # done by an earlier call
+    runner = Runner("http://stock", "http://paced", tmp_path, Plan(pair_fresh_proxy=True), None, [], progress=False)
+    runner.run(["direct", "proxy", "stack"], ["pair", "sparse", "steady"])
+    assert [(row, part) for row, part, _ in ran] == [
+        ("direct", "pair"), ("proxy", "pair"), ("stack", "pair"),
+        ("direct", "sparse"), ("stack", "sparse"),
+        ("direct", "steady"), ("proxy", "steady"), ("stack", "steady")]
+    urls = {(row, part): url for row, part, url in ran}
+    assert urls[("direct", "steady")] == "http://stock" and urls[("proxy", "pair")] == "fresh proxies"
+    assert urls[("stack", "steady")] == "proxy of stack -> http://paced"
+    ran.clear()
+    runner.run(["direct", "proxy", "stack"], ["pair", "sparse", "steady"])
+    assert ran == []  # everything done: nothing runs again
+
+
 @pytest.mark.slow
 def test_the_short_part_on_the_simulator(tmp_path):
     """``--parts short`` runs ``bench short`` against each row (through the row's proxy where it

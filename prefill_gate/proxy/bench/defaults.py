@@ -12,8 +12,9 @@ Each row runs three parts: ``pair`` (the seed pair: a stream B, a long prompt A 
 when B has 64 tokens; ``--pair-runs`` runs), ``sparse`` (a few users who pause often, so long
 prompts often arrive with nothing live) and ``steady`` (``bench mixed``: many users who never
 pause together, a long prompt at Poisson times); on request a fourth, ``short`` (``bench
-short``: what one new short prompt costs the streams live, the hybrid's hard case). The proxies
-are started here, with the flags above and nothing else. ``--checks hybrid`` judges the stack
+short``: what one new short prompt costs the streams live, the hybrid's hard case). A part runs
+for every row before the next part starts, so each row meets the engine after the same kind of
+load. The proxies are started here, one a part, with the flags above and nothing else. ``--checks hybrid`` judges the stack
 by what it must do on a Gated DeltaNet hybrid (``HYBRID_CHECKS``) instead of the defaults'
 promises. Every part is written to ``--work`` as it ends and skipped when
 it is already there: a run split over several calls (servers that outlive them) resumes.
@@ -180,27 +181,33 @@ class Runner:
             print(f"[defaults] {what}", file=sys.stderr, flush=True)
 
     def run(self, rows: list[str], parts: list[str]) -> None:
+        """Each part for every row before the next part: every row's pair starts after another
+        row's pair, every steady part after another steady part, so rows meet the engine (and
+        the card) after the same kind of load. (Row by row, the proxy's first seed pair ran ~30 s
+        after the direct row's steady load, the card's heaviest, and its first slices met engine
+        steps ~12 ms dearer than 10-20 s later: bench/results/defaults/h100/run-9f76ea6/.)"""
         self.work.mkdir(parents=True, exist_ok=True)
         for row in rows:
-            todo = [p for p in parts if not self.path(row, p).exists()]
-            if not todo:
-                self.say(f"{row}: done already")
-                continue
-            if self.out_of_time():
-                self.say(f"{row}: left for the next call (--budget)")
-                continue
-            engine = self.urls[ENGINE[row]]
-            if engine is None:
+            if self.urls[ENGINE[row]] is None and any(not self.path(row, p).exists() for p in parts):
                 raise SystemExit(f"row {row} needs --{ENGINE[row]}")
-            if PROXY_FLAGS[row] is None:
-                self._parts(row, engine, todo)
-                continue
-            if self.plan.pair_fresh_proxy and "pair" in todo:
-                self._fresh_pairs(row, engine)
-                todo.remove("pair")
-            if todo:
-                with self._proxy(row, engine, f"proxy-{row}") as proxy:
-                    self._parts(row, proxy.url, todo)
+        if all(self.path(row, p).exists() for row in rows for p in parts):
+            self.say("every part done already")
+            return
+        for part in parts:
+            for row in rows:
+                if self.path(row, part).exists():
+                    continue
+                if self.out_of_time():
+                    self.say(f"{row}: {part} left for the next call (--budget)")
+                    continue
+                engine = self.urls[ENGINE[row]]
+                if PROXY_FLAGS[row] is None:
+                    self._part(row, engine, part)
+                elif part == "pair" and self.plan.pair_fresh_proxy:
+                    self._fresh_pairs(row, engine)
+                else:
+                    with self._proxy(row, engine, f"proxy-{row}") as proxy:
+                        self._part(row, proxy.url, part)
 
     @contextlib.contextmanager
     def _proxy(self, row: str, engine: str, name: str):
@@ -214,7 +221,8 @@ class Runner:
                 self._expect_mode(row, proxy.url, engine)
                 yield proxy
             finally:
-                (self.work / f"{name}.log").write_text(proxy.output()[-2_000_000:])
+                with (self.work / f"{name}.log").open("a") as log:  # a row's proxies, one a part, in order
+                    log.write(proxy.output()[-2_000_000:])
 
     def _fresh_pairs(self, row: str, engine: str) -> None:
         """The seed pair, each run through a new proxy: what the first long prompt after a
@@ -250,25 +258,21 @@ class Runner:
                              f"{MODE[row]} (for paced: does the engine publish prefill_gate_engine_info? the "
                              "engine patches' stat-logger plugin must be installed in its environment)")
 
-    def _parts(self, row: str, url: str, parts: list[str]) -> None:
+    def _part(self, row: str, url: str, part: str) -> None:
         p = self.plan
-        for part in parts:
-            if self.out_of_time():
-                self.say(f"{row}: {part} left for the next call (--budget)")
-                return
-            self.say(f"{row}: {part} -> {url}")
-            if part == "pair":
-                # every run's timeline stays (the plot draws the first): a bound a run misses is
-                # diagnosed from its own tokens
-                result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
-            elif part == "short":
-                result = asyncio.run(run_short(url, self.model, p.short, p.seed, progress=self.progress))
-            else:
-                shape = p.steady if part == "steady" else p.sparse
-                result = asyncio.run(measure_endpoint(url, row, shape, SLO(), p.seed, self.model, p.time_scale,
-                                                      progress=self.progress))
-                result["shape"] = asdict(shape)
-            write_json(self.path(row, part), {"row": row, "part": part, "result": result, **environment()})
+        self.say(f"{row}: {part} -> {url}")
+        if part == "pair":
+            # every run's timeline stays (the plot draws the first): a bound a run misses is
+            # diagnosed from its own tokens
+            result = asyncio.run(run_overlap(url, self.model, p.pair, runs=p.pair_runs, progress=self.progress))
+        elif part == "short":
+            result = asyncio.run(run_short(url, self.model, p.short, p.seed, progress=self.progress))
+        else:
+            shape = p.steady if part == "steady" else p.sparse
+            result = asyncio.run(measure_endpoint(url, row, shape, SLO(), p.seed, self.model, p.time_scale,
+                                                  progress=self.progress))
+            result["shape"] = asdict(shape)
+        write_json(self.path(row, part), {"row": row, "part": part, "result": result, **environment()})
 
 
 def collect(work: Path) -> dict[str, dict[str, dict]]:
