@@ -50,8 +50,8 @@ def test_a_machine_without_nvml_records_nothing_and_says_so(tmp_path):
 
 
 def test_the_summary_names_what_held_the_clocks_and_leaves_idle_out():
-    rows = [sample(0, sm=1980), sample(1, sm=1410, power=700.0, reasons=0x4), sample(2, sm=1200, temp=88, reasons=0x20 | 0x4),
-            sample(3, sm=345, util=0, reasons=gpu_probe.IDLE)]
+    rows = [sample(0, sm=1980), sample(1, sm=1410, power=700.0, reasons=0x4),
+            sample(2, sm=1200, temp=88, reasons=0x20 | 0x4), sample(3, sm=345, util=0, reasons=gpu_probe.IDLE)]
     s = gpu_probe.summarize(rows)
     assert s["samples"] == 4 and s["busy_samples"] == 3
     assert (s["sm_mhz_min"], s["sm_mhz_p50"], s["sm_mhz_max"]) == (1200, 1410, 1980)  # busy samples only

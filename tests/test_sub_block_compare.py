@@ -70,8 +70,8 @@ def test_the_verdict_says_whether_the_modes_agree_within_a_share_of_the_control(
 
     async def scenario(url, mode, a_text, c_text, block):
         shift = moved[mode]
-        run = {"a_seconds": 1.0, "b_gaps_during_a_ms": {"p50": 1, "max": 2},
-               "a": answer([85] * 3, [-0.5 - shift] * 3), "c": {**answer([70] * 3, [-0.7 - shift] * 3), "cached_tokens": 3136}}
+        run = {"a_seconds": 1.0, "b_gaps_during_a_ms": {"p50": 1, "max": 2}, "a": answer([85] * 3, [-0.5 - shift] * 3),
+               "c": {**answer([70] * 3, [-0.7 - shift] * 3), "cached_tokens": 3136}}
         if mode == "whole":
             run["c_other"] = answer([70] * 3, [-1.7] * 3)  # another state before the same tail: 1.0 away
         return run
@@ -79,7 +79,8 @@ def test_the_verdict_says_whether_the_modes_agree_within_a_share_of_the_control(
     monkeypatch.setattr(sub_block_compare, "scenario", scenario)
     monkeypatch.setattr(sub_block_compare.time, "sleep", lambda s: None)
     out = tmp_path / "out.json"
-    monkeypatch.setattr(sys, "argv", ["sub_block_compare.py", "http://x", "--control", str(control), "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["sub_block_compare.py", "http://x", "--control", str(control),
+                                      "--json", str(out)])
     assert sub_block_compare.main() == 0
     verdict = json.loads(out.read_text())
     assert verdict["c_logprob_diff"] == pytest.approx(0.01) and verdict["control_logprob_diff"] == pytest.approx(1.0)

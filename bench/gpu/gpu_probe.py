@@ -39,8 +39,9 @@ IDLE = 0x1
 
 
 def reason_names(mask: int) -> list[str]:
-    return [name for bit, name in REASONS.items() if mask & bit] + ([f"0x{mask & ~sum(REASONS):x}"]
-                                                                     if mask & ~sum(REASONS) else [])
+    """The names of the reasons set in ``mask``; bits NVML added since as hex."""
+    unknown = mask & ~sum(REASONS)
+    return [name for bit, name in REASONS.items() if mask & bit] + ([f"0x{unknown:x}"] if unknown else [])
 
 
 class Nvml:

@@ -14,9 +14,9 @@ prompts often arrive with nothing live) and ``steady`` (``bench mixed``: many us
 pause together, a long prompt at Poisson times); on request a fourth, ``short`` (``bench
 short``: what one new short prompt costs the streams live, the hybrid's hard case). A part runs
 for every row before the next part starts, so each row meets the engine after the same kind of
-load. The proxies are started here, one a part, with the flags above and nothing else. ``--checks hybrid`` judges the stack
-by what it must do on a Gated DeltaNet hybrid (``HYBRID_CHECKS``) instead of the defaults'
-promises. Every part is written to ``--work`` as it ends and skipped when
+load. The proxies are started here, one a part, with the flags above and nothing else.
+``--checks hybrid`` judges the stack by what it must do on a Gated DeltaNet hybrid
+(``HYBRID_CHECKS``) instead of the defaults' promises. Every part is written to ``--work`` as it ends and skipped when
 it is already there: a run split over several calls (servers that outlive them) resumes.
 The merged JSON holds every part, the checks (``CHECKS`` or ``HYBRID_CHECKS``) and the machine, versions, command
 and commit; the table and the plot say the same.
