@@ -77,3 +77,7 @@ def test_each_pair_runs_long_prompt_gets_the_samples_of_its_own_window(tmp_path,
     first, second = (json.loads(line.split(": ", 1)[1]) for line in out)
     assert out[0].startswith("proxy pair run 1 (3.00 s)") and first["sm_mhz_min"] == 1200
     assert first["held_by"] == {"sw_thermal": 1.0} and second["sm_mhz_min"] == 1975 and second["held_by"] == {}
+    packed = tmp_path / "gpu.jsonl.gz"  # as run folders keep them
+    import gzip
+    packed.write_bytes(gzip.compress(probe.read_bytes()))
+    assert gpu_probe.read(packed) == gpu_probe.read(probe) and len(gpu_probe.read(packed)) == len(rows)

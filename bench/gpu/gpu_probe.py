@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_probe  # noqa: E402  (bench/gpu/host_probe.py: one reader for both probes' files)
+
 # NVML's clock event reasons (nvml.h, nvmlClocksEventReason*), by bit.
 REASONS = {
     0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
@@ -110,13 +113,8 @@ def record(path: Path, every: float, seconds: float | None, source=None) -> int:
 
 
 def read(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by the kill
-    return out
+    """The samples (``.gz`` too), by time; a line cut by the kill is skipped."""
+    return host_probe.read(path, "sm_mhz")
 
 
 def summarize(samples: list[dict]) -> dict:

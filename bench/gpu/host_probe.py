@@ -81,8 +81,9 @@ def run(out: Path, every: float, seconds: float | None) -> int:
     return 0
 
 
-def read(path: Path) -> list[dict]:
-    """The samples of a probe file (``.gz`` too), by time; a line cut short by the kill is skipped."""
+def read(path: Path, value: str = "work_us") -> list[dict]:
+    """The samples of a probe file (``.gz`` too), by time: lines with a numeric ``unix`` and
+    ``value``; a line cut short by the kill is skipped (gpu_probe.py's files too: ``sm_mhz``)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         lines = f.read().splitlines()
@@ -92,7 +93,7 @@ def read(path: Path) -> list[dict]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("unix"), (int, float)) and isinstance(row.get("work_us"), (int, float)):
+        if isinstance(row, dict) and isinstance(row.get("unix"), (int, float)) and isinstance(row.get(value), (int, float)):
             rows.append(row)
     return sorted(rows, key=lambda r: r["unix"])
 
