@@ -54,6 +54,7 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         text = run("dense", ROWS="direct", PARTS="pair", PAIR_RUNS="1")
         assert text.count("is not this run's (defaults hybrid") == 2, text  # both servers replaced
         assert json.loads((tmp_path / "dense" / "defaults.json").read_text())["suite"] == "defaults"
+        assert "host direct pair: " in text  # whether the host was quiet during the part (host_probe --parts)
     finally:
         for port in ports:
             subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)

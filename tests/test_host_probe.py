@@ -58,3 +58,48 @@ def test_cpu_shares_come_from_proc_stat_deltas(tmp_path):
     row = host_probe.sample(before, after, 0.00125)
     assert row["work_us"] == 1250.0 and row["busy"] == 0.6 and row["steal"] == 0.2  # 120 of 200 busy, 40 stolen
     assert host_probe.cpu_times(tmp_path / "absent") is None and host_probe.sample(None, after, 0.001)["busy"] is None
+
+
+def _defaults(t_pair: float, t_steady: float) -> dict:
+    part = {"a": {"sent": 1.0, "end": 3.0}, "b": {"sent": 0.0, "end": 4.0}, "client_gc": {"collections": 2}}
+    return {"rows": {"proxy": {
+        "pair": {"raw": [{"run": 1, "t0_unix": t_pair, **part}, {"run": 2, "t0_unix": t_pair + 10, **part}]},
+        "steady": {"mixed": {"t0_unix": t_steady}, "shape": {"duration": 20.0}},
+        "short": {"per_prompt": []},  # a part with no times of its own: not judged
+    }}}
+
+
+def test_each_part_is_judged_by_the_spikes_within_it(tmp_path, capsys):
+    # a steady host during the pair (100..114 s), spikes of 4x during steady load (200..220 s)
+    rows = [{"unix": 100 + i * 0.2, "work_us": 1000 + (i % 3)} for i in range(70)]
+    rows += [{"unix": 200 + i * 0.2, "work_us": 4000 if i % 10 == 0 else 1100} for i in range(100)]
+    probe, defaults = tmp_path / "p.jsonl", tmp_path / "defaults.json"
+    probe.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    defaults.write_text(json.dumps(_defaults(100.0, 200.0)))
+    assert host_probe.part_windows(_defaults(100.0, 200.0)) == [("proxy", "pair", 100.0, 114.0),
+                                                                ("proxy", "steady", 200.0, 220.0)]
+    assert host_probe.main(["--parts", str(probe), str(defaults)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("host proxy pair: quiet ") and out[1].startswith("host proxy steady: NOISY ")
+    pair, steady = (json.loads(line.split(" ", 4)[4].split(") ", 1)[-1]) for line in out)
+    assert pair["samples"] == 70 and pair["spike_share"] == 0 and pair["quiet"]
+    assert steady["samples"] == 100 and steady["spike_share"] == 0.1 and not steady["quiet"]
+    # the run's median is 1,100 us (90 of its 170 samples): the pair's host was a little faster
+    assert steady["max_x_median"] == round(4000 / 1100, 2) and steady["median_x_run"] == 1.0
+    assert pair["median_x_run"] == round(1001 / 1100, 2) and pair["p99_x_median"] == round(1002 / 1001, 2)
+
+
+def test_one_spike_in_a_few_hundred_samples_is_still_quiet():
+    rows = [{"unix": float(i), "work_us": 5000 if i == 7 else 1000} for i in range(300)]
+    q = host_probe.quiet(rows, 0, 299, 1000)
+    assert q["quiet"] and q["spike_share"] == round(1 / 300, 4)
+    rows[8]["work_us"] = 5000  # two in 300: over QUIET_SPIKES
+    assert not host_probe.quiet(rows, 0, 299, 1000)["quiet"]
+    assert host_probe.quiet(rows, 1000, 2000, 1000) == {"samples": 0}
+
+
+def test_parts_needs_both_files(tmp_path, capsys):
+    with __import__("pytest").raises(SystemExit):
+        host_probe.main(["--parts", str(tmp_path / "p.jsonl")])
+    (tmp_path / "d.json").write_text("{}")
+    assert host_probe.main(["--parts", str(tmp_path / "p.jsonl"), str(tmp_path / "d.json")]) == 2

@@ -266,6 +266,8 @@ if [ "${PROFILE:-0}" = 1 ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
 fi
 kill "$PROBE_PID" $GPU_PROBE_PID 2>/dev/null; wait "$PROBE_PID" $GPU_PROBE_PID 2>/dev/null
 python3 bench/gpu/host_probe.py --summary "$RES/host-probe.jsonl" 2>&1 | grep -E '"(samples|work_us_p50|work_us_p90|work_us_max|slow_share|steal_max)"' | tr -d '\n '; echo
+# Was the host quiet during each part (a run on a noisy host misses bounds that are not the engine's)?
+[ -f "$OUT/defaults.json" ] && python3 bench/gpu/host_probe.py --parts "$RES/host-probe.jsonl" "$OUT/defaults.json"
 if [ -s "$RES/gpu-probe.jsonl" ]; then
   python3 bench/gpu/gpu_probe.py --summary "$RES/gpu-probe.jsonl" | tr -d '\n '; echo
   [ -f "$OUT/defaults.json" ] && python3 bench/gpu/gpu_probe.py --pairs "$RES/gpu-probe.jsonl" "$OUT/defaults.json"

@@ -13,7 +13,9 @@ the hypervisor took from this VM (``steal``). One JSON line a sample, appended:
     {"unix": 1796573527.61, "work_us": 842.1, "busy": 0.21, "steal": 0.0}
 
 ``work_us`` is comparable within a machine, not across machines. ``place_stalls.py --probe``
-sets the samples beside each worst gap; ``--summary`` gives their spread and the slow stretches.
+sets the samples beside each worst gap; ``--summary`` gives their spread and the slow stretches;
+``--parts OUT.jsonl defaults.json`` says, part by part of a ``bench defaults`` run, whether the
+host was quiet enough to judge tens of milliseconds by (``QUIET_SPIKES``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from pathlib import Path
 
 WORK_LOOPS = 20_000  # ~1 ms of CPython on a server core: long enough to time, short beside --every
 SLOW = 1.5  # a sample this many times the median is slow
+# A part of a run ran on a quiet host when at most QUIET_SPIKES of its samples took SPIKE times
+# their own median or more: on the H100 host of bench/results/defaults/h100/run-9f76ea6/ every
+# part had 0-0.2% such samples (and the 27B runs of bench/results/hybrid/h100/run-943f4b9/ none);
+# on the one of run-f5b6617/, where every row missed its bounds, 1.4-9.7%.
+SPIKE = 3.0
+QUIET_SPIKES = 0.005
 
 
 def work() -> float:
@@ -129,13 +137,66 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def part_windows(defaults: dict) -> list[tuple[str, str, float, float]]:
+    """(row, part, start, end) on the wall clock of each part of a ``bench defaults`` JSON: a
+    seed pair from its first run's start to its last run's end, sparse and steady load over
+    their mixed phase (parts without the times: skipped)."""
+    out = []
+    for row, parts in (defaults.get("rows") or {}).items():
+        for part, result in (parts or {}).items():
+            if part == "pair":
+                runs = [r for r in (result.get("raw") or []) if isinstance(r.get("t0_unix"), (int, float))]
+                ends = [r["t0_unix"] + max((p.get("end") or 0) for p in r.values() if isinstance(p, dict))
+                        for r in runs]
+                if runs:
+                    out.append((row, part, runs[0]["t0_unix"], max(ends)))
+                continue
+            mixed, shape = result.get("mixed") or {}, result.get("shape") or {}
+            if isinstance(mixed.get("t0_unix"), (int, float)) and shape.get("duration"):
+                out.append((row, part, mixed["t0_unix"], mixed["t0_unix"] + shape["duration"]))
+    return out
+
+
+def quiet(rows: list[dict], start: float, end: float, median: float) -> dict:
+    """The samples from ``start`` to ``end``: their median against the run's ``median`` (a host
+    slower all along), their slow share (against the run's), their p99 and max as multiples of
+    their own median, and the share of spikes (``SPIKE`` times it): the host's moments a step
+    meets, which say whether the host was quiet (``QUIET_SPIKES``)."""
+    us = sorted(r["work_us"] for r in rows if start <= r["unix"] <= end)
+    if not us:
+        return {"samples": 0}
+    own = statistics.median(us)
+    spikes = sum(1 for u in us if u >= SPIKE * own) / len(us)
+    return {"samples": len(us), "median_x_run": round(own / median, 2),
+            "slow_share": round(sum(1 for u in us if u >= SLOW * median) / len(us), 3),
+            "p99_x_median": round(us[int(0.99 * (len(us) - 1))] / own, 2), "max_x_median": round(us[-1] / own, 2),
+            "spike_share": round(spikes, 4), "quiet": spikes <= QUIET_SPIKES}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the samples' JSON lines (appended)")
+    p.add_argument("defaults", type=Path, nargs="?", help="with --parts: bench defaults' JSON")
     p.add_argument("--every", type=float, default=0.2, help="seconds between samples")
     p.add_argument("--seconds", type=float, help="stop after this long (default: until SIGTERM)")
     p.add_argument("--summary", action="store_true", help="read OUT and print what the samples say")
+    p.add_argument("--parts", action="store_true", help="read OUT: was the host quiet during each part of DEFAULTS?")
     args = p.parse_args(argv)
+    if args.parts:
+        if args.defaults is None:
+            p.error("--parts needs the defaults JSON")
+        rows = read(args.out) if args.out.is_file() else []
+        if not rows:
+            print(f"{args.out}: no samples", file=sys.stderr)
+            return 2
+        median = statistics.median(r["work_us"] for r in rows)
+        for row, part, start, end in part_windows(json.loads(args.defaults.read_text())):
+            q = quiet(rows, start, end, median)
+            verdict = "no samples" if not q["samples"] else ("quiet" if q["quiet"] else
+                                                             f"NOISY (over {QUIET_SPIKES:.1%} of samples {SPIKE:g}x "
+                                                             "their median)")
+            print(f"host {row} {part}: {verdict} {json.dumps(q)}")
+        return 0
     if args.summary:
         if not args.out.is_file():
             print(f"{args.out}: no such file", file=sys.stderr)
