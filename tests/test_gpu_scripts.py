@@ -55,6 +55,13 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         assert text.count("is not this run's (defaults hybrid") == 2, text  # both servers replaced
         assert json.loads((tmp_path / "dense" / "defaults.json").read_text())["suite"] == "defaults"
         assert "host direct pair: " in text  # whether the host was quiet during the part (host_probe --parts)
+
+        # PROXY_ARGS: the proxy's parts again with another setting, in a variant's work folder
+        text = run("dense", ROWS="proxy", PARTS="pair", PAIR_RUNS="1", PROXY_ARGS="--slice-inflight=2")
+        assert "proxy settings: --slice-inflight=2" in text
+        assert (tmp_path / "dense" / "work" / "variant-proxy-slice-inflight-2" / "proxy-pair.json").is_file()
+        variant = json.loads((tmp_path / "dense" / "defaults.json").read_text())
+        assert set(variant["rows"]) == {"proxy"} and "--proxy-arg=--slice-inflight=2" in variant["command"]
     finally:
         for port in ports:
             subprocess.run(["pkill", "-INT", "-f", "--", f"--port {port} "], check=False)

@@ -231,6 +231,20 @@ PY
   say "control: $CONTROL (parts in $BENCH_WORK): $settings"
 fi
 
+# PROXY_ARGS='--ARG=VALUE ...': more settings for every proxy the bench starts (e.g.
+# '--slice-inflight=2'), its parts in WORK/variant-VARIANT as with CONTROL (VARIANT: default from
+# PROXY_ARGS); the servers keep running.
+PROXY_ARG_FLAGS=()
+if [ -n "${PROXY_ARGS:-}" ]; then
+  for arg in $PROXY_ARGS; do PROXY_ARG_FLAGS+=("--proxy-arg=$arg"); done
+  if [ -z "${CONTROL:-}" ]; then
+    VARIANT=${VARIANT:-$(printf 'proxy%s' "$PROXY_ARGS" | sed 's/[^A-Za-z0-9.]\{1,\}/-/g')}
+    BENCH_WORK=$RES/variant-$VARIANT
+    mkdir -p "$BENCH_WORK"
+  fi
+  say "proxy settings: $PROXY_ARGS (parts in $BENCH_WORK)"
+fi
+
 BUDGET=0
 if [ "${DEADLINE:-0}" -gt 0 ]; then
   BUDGET=$(( DEADLINE - ($(date +%s) - t0) ))
@@ -241,7 +255,7 @@ python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$STOCK" --paced
   --checks "$CHECKS" --users "$USERS" --long-every "$LONG_EVERY" \
   --model m --work "$BENCH_WORK" --rows "$ROWS" --parts "$PARTS" --duration "$DURATION" --baseline-duration "$BASELINE" \
   --sparse-duration "$SPARSE_DURATION" --short-duration "${SHORT_DURATION:-45}" --pair-runs "$PAIR_RUNS" $FRESH \
-  --budget "$BUDGET" \
+  --budget "$BUDGET" "${PROXY_ARG_FLAGS[@]}" \
   --json "$OUT/defaults.json" --plot "$OUT/defaults.png" 2>&1 | grep -v '^\[overlap\]' | tee "$OUT/defaults-table.txt"
 # SUBBLOCK=1 (CLASS=hybrid): PREFILL_GATE_PACING_SUB_BLOCK's answers on the paced server, after the
 # rows: the same prompts paced in whole blocks and below them next to a stream, and a prefix-cache
