@@ -18,7 +18,7 @@ from prefill_gate.proxy.capabilities import Capabilities, parse_cache_config
 from prefill_gate.proxy.settings import load_settings
 from prefill_gate.proxy.sim.engine import CostModel, Engine, EngineConfig
 from prefill_gate.proxy.sim.server import create_sim_app, render_chat
-from prefill_gate.proxy.slicer import IdPrefixes, SliceSizer, run_slices, tokenize_payload
+from prefill_gate.proxy.slicer import IdPrefixes, SliceRun, SliceSizer, run_slices, tokenize_payload
 from test_disconnect import start_b, until
 
 
@@ -210,6 +210,47 @@ async def test_two_slices_in_flight_overlap_in_order_after_the_first_round_trip(
     await run_slices(ids, 16, one, send, model=None, cache_salt=None, deadline=float("inf"),
                      window=lambda: None, window_end=gap_of(0.01))
     assert all(not busy for *_, busy in events)  # inflight=1: one at a time, as before
+
+
+async def test_slices_under_a_ceiling_go_two_in_flight_when_asked_and_others_one_at_a_time():
+    """capped_inflight=2: while the sizer keeps slices under a ceiling (slices above some size
+    broke the promise grossly, again and again), the next slice is sent while one runs; with no
+    ceiling, one at a time as ``inflight`` says. Set as the proxy has it (``slice_inflight_capped``)."""
+    ids = list(range(3000))
+    in_flight, busy_sends = set(), []
+
+    async def send(body: bytes) -> bool:
+        end = len(json.loads(body)["prompt"])
+        busy_sends.append(bool(in_flight))
+        in_flight.add(end)
+        await asyncio.sleep(0.02)
+        in_flight.discard(end)
+        return True
+
+    def sizer(capped: bool) -> SliceSizer:
+        s = SliceSizer(0.045, 256, 256, 256, max_gap_s=0.05)
+        for n in [256] * 100 + [800] * 30:
+            s.after(0.02, n, 0)
+        if capped:
+            s.after(0.12, 800, 0)
+            s.after(0.11, 640, 0)
+        s.tokens = 256
+        assert (s.ceiling() is not None) == capped
+        return s
+
+    async def run(capped: bool, **kw) -> SliceRun:
+        busy_sends.clear()
+        return await run_slices(ids, 16, sizer(capped), send, model=None, cache_salt=None, deadline=float("inf"),
+                                window=lambda: None, window_end=gap_of(0.01), **kw)
+
+    done = await run(True, capped_inflight=2)
+    assert done.tokens == 2992 and sum(busy_sends) >= len(busy_sends) // 2  # pipelined (timing: most)
+    await run(False, capped_inflight=2)
+    assert not any(busy_sends)  # no ceiling: inflight=1 holds
+    await run(True)
+    assert not any(busy_sends)  # a ceiling, capped_inflight not asked: one at a time, as before
+    await run(True, capped_inflight=1, inflight=2)
+    assert any(busy_sends)  # the larger of the two holds under the ceiling
 
 
 async def test_a_failed_slice_cancels_the_one_in_flight_behind_it():

@@ -321,7 +321,8 @@ class GatedExchange(Exchange):
                                window=lambda: predictor.window_start(upstream),
                                window_end=lambda w: slice_window_end(predictor, upstream, w),
                                settle=lambda: st.gate.prefills_settled(upstream, st.settings.slice_settle_ms / 1000),
-                               inflight=st.settings.slice_inflight, encode=st.bodies.id_prefixes)
+                               inflight=st.settings.slice_inflight, encode=st.bodies.id_prefixes,
+                               capped_inflight=st.settings.slice_inflight_capped)
         self.slice_run = run
         m = st.metrics
         m.slices.labels(upstream).inc(run.slices)

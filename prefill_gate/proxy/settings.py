@@ -110,6 +110,12 @@ class Settings(BaseModel):
         "after the previous, so that the engine takes it in while the previous one computes "
         "(vLLM caches a slice's blocks when it schedules them).",
     )
+    slice_inflight_capped: int = Field(
+        1, ge=1, le=4,
+        description="Slicing: slices in flight at once while slices are kept under a ceiling (after "
+        "slices above some size stalled streams past 1.5x max_gap_ms again and again): those slices "
+        "run short steps, and their round trips set a long prompt's time (at least slice_inflight).",
+    )
     min_slice_tokens: int = Field(256, ge=1, description="Slicing: the smallest slice (rounded up to a KV block).")
     max_slice_tokens: int = Field(4096, ge=1, description="Slicing: the largest slice.")
     sse_keepalive: float = Field(
@@ -294,7 +300,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Slicing": (
         "In front of vLLM's own scheduling: how a long prompt is sliced into its prefix cache.",
         ("max_gap_ms", "slice_gap_ms", "slice_settle_ms", "slice_when_idle", "slice_inflight",
-         "min_slice_tokens", "max_slice_tokens")),
+         "slice_inflight_capped", "min_slice_tokens", "max_slice_tokens")),
     "Closed loop": (
         "Admission next to live streams by their measured gaps (an engine that paces its steps).",
         ("itl_slo_ms", "closed_loop_start_tokens", "closed_loop_step_tokens")),

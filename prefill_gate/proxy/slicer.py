@@ -446,7 +446,8 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
                      window: Callable[[], Any], window_end: Callable[[Any], Awaitable[float | None]],
                      settle: Callable[[], Awaitable[float]] | None = None, inflight: int = 1,
                      clock: Callable[[], float] = time.monotonic,
-                     encode: Callable[[Sequence[int], int], Awaitable[IdPrefixes]] | None = None) -> SliceRun:
+                     encode: Callable[[Sequence[int], int], Awaitable[IdPrefixes]] | None = None,
+                     capped_inflight: int | None = None) -> SliceRun:
     """Send slices until the last whole block before the prompt's end is covered (the
     final request computes the rest, at least one token). ``settle()`` is awaited before
     each slice (other requests' prefills end first; it returns the seconds waited),
@@ -457,6 +458,10 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
     ``inflight`` > 1: up to that many slices at once, each sent at least a round trip /
     ``inflight`` after the previous (the last answered slice's round trip; the first slice
     goes alone), so that it reaches the engine once the previous one is scheduled.
+
+    ``capped_inflight``: slices in flight instead, while the sizer keeps slices under a ceiling
+    (``SliceSizer.ceiling``): such slices run small steps, and their round trips (the engine's
+    intake of the whole prefix, the answer), not the steps, set the prompt's time.
 
     ``encode(ids, block)``: the prompt's ``IdPrefixes`` (a long prompt's ids take a while to
     encode: the proxy has a worker process do it, ``bodies.BodyReader.id_prefixes``)."""
@@ -475,9 +480,15 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
     spacing = None  # seconds between two slices in flight (None: no slice answered yet)
     last_sent = -float("inf")
     start = clock()
+
+    def limit() -> int:
+        if capped_inflight is None or sizer.ceiling() is None:
+            return inflight
+        return max(inflight, capped_inflight)
+
     try:
         while True:
-            if not run.stopped and sent < last and len(pending) < inflight and (spacing is not None or not pending):
+            if not run.stopped and sent < last and len(pending) < limit() and (spacing is not None or not pending):
                 if clock() >= deadline:
                     run.stopped = "deadline"
                     continue
@@ -501,7 +512,7 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
             if not ok:
                 run.stopped = "upstream_error"
                 break  # the slices still in flight are cancelled: they follow a prefix not cached
-            spacing = round_trip / inflight
+            spacing = round_trip / limit()
             sizer.after(gap, end - run.tokens, run.tokens)
             run.gaps.append(gap)
             run.sizes.append(end - run.tokens)
