@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Slices held under a ceiling inside vLLM's CUDA graph, one or two in flight, on the simulator
+# (a model, not a GPU): the proxy's steady load (`bench defaults --rows proxy --parts steady`) with
+# its slices capped at CAP tokens (as `SliceSizer.ceiling` caps them after eager steps broke the
+# promise: 489-504 tokens on the H100 of bench/results/defaults/h100/run-f5b6617/) and
+# `--slice-inflight` 1 and 2, and the slicer uncapped beside them; JSON per run and a table in OUT.
+#   bash bench/sim_inflight_ceiling.sh [OUT] [SEEDS] [DURATION]
+set -eu
+OUT=${1:-bench/results/sim/inflight-ceiling}
+SEEDS=${2:-0}
+DURATION=${3:-60}
+CAP=${CAP:-496}
+mkdir -p "$OUT"
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+up() { for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.1; done; return 1; }
+for label in uncapped capped-1 capped-2; do
+  extra=()
+  case $label in
+    capped-1) extra=(--proxy-arg=--max-slice-tokens=$CAP) ;;
+    capped-2) extra=(--proxy-arg=--max-slice-tokens=$CAP --proxy-arg=--slice-inflight=2) ;;
+  esac
+  for seed in $SEEDS; do
+    stock=$(port) paced=$(port)
+    python3 -m prefill_gate sim --port "$stock" >/dev/null 2>&1 & s1=$!
+    python3 -m prefill_gate sim --port "$paced" --pacing-cap 256 >/dev/null 2>&1 & s2=$!
+    up "$stock" && up "$paced"
+    work=$(mktemp -d)
+    python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$stock" --paced "http://127.0.0.1:$paced" \
+      --rows proxy --parts steady --duration "$DURATION" --seed "$seed" --work "$work" "${extra[@]}" \
+      --json "$OUT/$label-seed$seed.json" >/dev/null 2>&1
+    grep -h "sliced request" "$work"/proxy-*.log > "$OUT/$label-seed$seed-slices.log" 2>/dev/null || true
+    kill $s1 $s2; wait $s1 $s2 2>/dev/null || true; rm -rf "$work"
+  done
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, re, statistics, sys
+from prefill_gate.proxy.bench.report import table
+rows = []
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*-seed*.json")):
+    d = json.loads(f.read_text())
+    m = d["rows"]["proxy"]["steady"]["mixed"]
+    log = f.with_name(f.stem + "-slices.log")
+    slices = [int(x) for x in re.findall(r": (\d+) slices,", log.read_text())] if log.exists() else []
+    rows.append({"run": f.stem, "commit": d["git_commit"][:7] + ("+" if d["git_dirty"] else ""),
+                 "slices": statistics.median(slices) if slices else None,
+                 **{k: m[k] for k in ("itl_ms_p99", "itl_ms_p999", "itl_ms_max", "ttft_ms_p99",
+                                      "long_x_p50", "long_x_p90")}})
+text = table(rows, [("run", "run"), ("commit", "commit"), ("slices", "slices a prompt p50"),
+                    ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9"), ("itl_ms_max", "max"),
+                    ("ttft_ms_p99", "new TTFT p99 ms"), ("long_x_p50", "long p50 x alone"), ("long_x_p90", "p90")])
+print(text)
+(pathlib.Path(sys.argv[1]) / "table.txt").write_text(text + "\n")
+PY
