@@ -11,8 +11,7 @@ SEEDS=${2:-0}
 DURATION=${3:-60}
 CAP=${CAP:-496}
 mkdir -p "$OUT"
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-up() { for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.1; done; return 1; }
+source "$(dirname "$0")/sim_lib.sh"
 for label in uncapped capped-1 capped-2; do
   extra=()
   case $label in
@@ -20,16 +19,8 @@ for label in uncapped capped-1 capped-2; do
     capped-2) extra=(--proxy-arg=--max-slice-tokens=$CAP --proxy-arg=--slice-inflight=2) ;;
   esac
   for seed in $SEEDS; do
-    stock=$(port) paced=$(port)
-    python3 -m prefill_gate sim --port "$stock" >/dev/null 2>&1 & s1=$!
-    python3 -m prefill_gate sim --port "$paced" --pacing-cap 256 >/dev/null 2>&1 & s2=$!
-    up "$stock" && up "$paced"
-    work=$(mktemp -d)
-    python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$stock" --paced "http://127.0.0.1:$paced" \
-      --rows proxy --parts steady --duration "$DURATION" --seed "$seed" --work "$work" "${extra[@]}" \
-      --json "$OUT/$label-seed$seed.json" >/dev/null 2>&1
-    grep -h "sliced request" "$work"/proxy-*.log > "$OUT/$label-seed$seed-slices.log" 2>/dev/null || true
-    kill $s1 $s2; wait $s1 $s2 2>/dev/null || true; rm -rf "$work"
+    defaults_on_sims "$OUT/$label-seed$seed.json" "$OUT/$label-seed$seed-slices.log" -- \
+      --rows proxy --parts steady --duration "$DURATION" --seed "$seed" "${extra[@]}"
   done
 done
 python3 - "$OUT" <<'PY'

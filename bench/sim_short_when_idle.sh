@@ -8,20 +8,11 @@ set -eu
 OUT=${1:-bench/results/sim/short-when-idle}
 SEEDS=${2:-0 1}
 mkdir -p "$OUT"
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-up() { for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.1; done; return 1; }
+source "$(dirname "$0")/sim_lib.sh"
 for label in plain idle; do
-  extra=(); [ $label = idle ] && extra=(--pacing-short-when-idle)
+  PACED_SIM_ARGS=""; [ $label = idle ] && PACED_SIM_ARGS=--pacing-short-when-idle
   for seed in $SEEDS; do
-    stock=$(port) paced=$(port)
-    python3 -m prefill_gate sim --port "$stock" >/dev/null 2>&1 & s1=$!
-    python3 -m prefill_gate sim --port "$paced" --pacing-cap 256 "${extra[@]}" >/dev/null 2>&1 & s2=$!
-    up "$stock" && up "$paced"
-    work=$(mktemp -d)
-    python3 -m prefill_gate bench defaults --stock "http://127.0.0.1:$stock" --paced "http://127.0.0.1:$paced" \
-      --rows stack --parts sparse --sparse-duration 60 --seed "$seed" --work "$work" \
-      --json "$OUT/$label-seed$seed.json" >/dev/null 2>&1
-    kill $s1 $s2; wait $s1 $s2 2>/dev/null || true; rm -rf "$work"
+    defaults_on_sims "$OUT/$label-seed$seed.json" -- --rows stack --parts sparse --sparse-duration 60 --seed "$seed"
   done
 done
 python3 - "$OUT" <<'PY'
