@@ -23,22 +23,6 @@ for label in uncapped capped-1 capped-2; do
       --rows proxy --parts steady --duration "$DURATION" --seed "$seed" "${extra[@]}"
   done
 done
-python3 - "$OUT" <<'PY'
-import json, pathlib, re, statistics, sys
-from prefill_gate.proxy.bench.report import table
-rows = []
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*-seed*.json")):
-    d = json.loads(f.read_text())
-    m = d["rows"]["proxy"]["steady"]["mixed"]
-    log = f.with_name(f.stem + "-slices.log")
-    slices = [int(x) for x in re.findall(r": (\d+) slices,", log.read_text())] if log.exists() else []
-    rows.append({"run": f.stem, "commit": d["git_commit"][:7] + ("+" if d["git_dirty"] else ""),
-                 "slices": statistics.median(slices) if slices else None,
-                 **{k: m[k] for k in ("itl_ms_p99", "itl_ms_p999", "itl_ms_max", "ttft_ms_p99",
-                                      "long_x_p50", "long_x_p90")}})
-text = table(rows, [("run", "run"), ("commit", "commit"), ("slices", "slices a prompt p50"),
-                    ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_p999", "p99.9"), ("itl_ms_max", "max"),
-                    ("ttft_ms_p99", "new TTFT p99 ms"), ("long_x_p50", "long p50 x alone"), ("long_x_p90", "p90")])
-print(text)
-(pathlib.Path(sys.argv[1]) / "table.txt").write_text(text + "\n")
-PY
+python3 "$(dirname "$0")/sim_table.py" "$OUT" proxy steady "slices=slices a prompt p50" \
+  "itl_ms_p99=gaps p99 ms" itl_ms_p999=p99.9 itl_ms_max=max "ttft_ms_p99=new TTFT p99 ms" \
+  "long_x_p50=long p50 x alone" long_x_p90=p90

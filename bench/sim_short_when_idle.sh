@@ -15,19 +15,5 @@ for label in plain idle; do
     defaults_on_sims "$OUT/$label-seed$seed.json" -- --rows stack --parts sparse --sparse-duration 60 --seed "$seed"
   done
 done
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-from prefill_gate.proxy.bench.report import table
-rows = []
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*-seed*.json")):
-    d = json.loads(f.read_text())
-    m = d["rows"]["stack"]["sparse"]["mixed"]
-    rows.append({"run": f.stem, "commit": d["git_commit"][:7] + ("+" if d["git_dirty"] else ""),
-                 **{k: m[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_max", "long_ttft_s_p50",
-                                      "long_ttft_s_p90", "itl_ms_p99", "itl_ms_max")}})
-text = table(rows, [("run", "run"), ("commit", "commit"), ("ttft_ms_p50", "new TTFT p50 ms"), ("ttft_ms_p99", "p99"),
-                    ("ttft_ms_max", "max"), ("long_ttft_s_p50", "long p50 s"), ("long_ttft_s_p90", "p90"),
-                    ("itl_ms_p99", "gaps p99 ms"), ("itl_ms_max", "max")])
-print(text)
-(pathlib.Path(sys.argv[1]) / "table.txt").write_text(text + "\n")
-PY
+python3 "$(dirname "$0")/sim_table.py" "$OUT" stack sparse "ttft_ms_p50=new TTFT p50 ms" ttft_ms_p99=p99 \
+  ttft_ms_max=max "long_ttft_s_p50=long p50 s" long_ttft_s_p90=p90 "itl_ms_p99=gaps p99 ms" itl_ms_max=max
