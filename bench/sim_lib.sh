@@ -2,8 +2,8 @@
 #
 #   defaults_on_sims JSON [SLICES_LOG] -- BENCH_DEFAULTS_ARGS...
 #
-# starts a stock simulator and a paced one (cap mode as compose's stack paces, plus the words of
-# PACED_SIM_ARGS), runs `prefill-gate bench defaults` against them with the arguments after `--`
+# starts a stock simulator (plus the words of STOCK_SIM_ARGS) and a paced one (cap mode as
+# compose's stack paces, plus the words of PACED_SIM_ARGS), runs `prefill-gate bench defaults` against them with the arguments after `--`
 # and its JSON to JSON, keeps the proxies' "sliced request" lines in SLICES_LOG (if given), and
 # stops both simulators.
 
@@ -16,8 +16,8 @@ defaults_on_sims() {
   if [ "${1:-}" != -- ]; then slices=$1; shift; fi
   shift  # --
   stock=$(sim_port) paced=$(sim_port)
-  python3 -m prefill_gate sim --port "$stock" >/dev/null 2>&1 & s1=$!
-  # shellcheck disable=SC2086  # PACED_SIM_ARGS: words
+  # shellcheck disable=SC2086  # STOCK_SIM_ARGS, PACED_SIM_ARGS: words
+  python3 -m prefill_gate sim --port "$stock" ${STOCK_SIM_ARGS:-} >/dev/null 2>&1 & s1=$!
   python3 -m prefill_gate sim --port "$paced" --pacing-cap 256 ${PACED_SIM_ARGS:-} >/dev/null 2>&1 & s2=$!
   sim_up "$stock" && sim_up "$paced"
   work=$(mktemp -d)

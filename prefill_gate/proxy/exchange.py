@@ -348,7 +348,8 @@ class GatedExchange(Exchange):
                      + (f", a step at {fit.step_at} tokens ({fit.step_gap * 1000:.1f} ms at most below it)"
                         if fit.step_at else ""),
                      "" if ceiling is None else f"; slices of at most {ceiling} tokens (larger ones stalled streams "
-                     f"past {BREAK_FACTOR:g}x max_gap_ms)")
+                     f"past {BREAK_FACTOR:g}x max_gap_ms), "
+                     f"{max(st.settings.slice_inflight, st.settings.slice_inflight_capped)} in flight")
         if run.stopped:
             log.warning("slicing of request #%d on %s stopped at %d of %d tokens: %s", req.ticket.id, upstream,
                         run.tokens, len(ids), run.stopped)

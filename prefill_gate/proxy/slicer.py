@@ -459,9 +459,9 @@ async def run_slices(ids: Sequence[int], block: int, sizer: SliceSizer, send: Se
     ``inflight`` after the previous (the last answered slice's round trip; the first slice
     goes alone), so that it reaches the engine once the previous one is scheduled.
 
-    ``capped_inflight``: slices in flight instead, while the sizer keeps slices under a ceiling
-    (``SliceSizer.ceiling``): such slices run small steps, and their round trips (the engine's
-    intake of the whole prefix, the answer), not the steps, set the prompt's time.
+    ``capped_inflight``: slices in flight (if more than ``inflight``) while the sizer keeps slices
+    under a ceiling (``SliceSizer.ceiling``): such slices run small steps, and their round trips
+    (the engine's intake of the whole prefix, the answer), not the steps, set the prompt's time.
 
     ``encode(ids, block)``: the prompt's ``IdPrefixes`` (a long prompt's ids take a while to
     encode: the proxy has a worker process do it, ``bodies.BodyReader.id_prefixes``)."""
