@@ -201,14 +201,20 @@ case " $SERVERS " in
     grep -Eq 'pacing="(adaptive|cap)"' "$RES/paced-engine-info.txt" || { say "the paced server publishes no pacing"; exit 3; } ;;
 esac
 
-# CONTROL: the paced server's parts under other settings, through its control file (above).
+# A variant (CONTROL, PROXY_ARGS below): its parts in WORK/variant-VARIANT, named by default from
+# both, so that parts done under other settings are not taken for its own.
 BENCH_WORK=$RES
+if [ -n "${CONTROL:-}${PROXY_ARGS:-}" ]; then
+  name=${CONTROL:-}
+  [ -n "${PROXY_ARGS:-}" ] && name="${name:+$name }proxy$PROXY_ARGS"
+  VARIANT=${VARIANT:-$(printf '%s' "$name" | sed 's/PREFILL_GATE_//g; s/[^A-Za-z0-9.]\{1,\}/-/g')}
+  BENCH_WORK=$RES/variant-$VARIANT
+  mkdir -p "$BENCH_WORK"
+fi
+# CONTROL: the paced server's parts under other settings, through its control file (above).
 if [ -n "${CONTROL:-}" ]; then
   [ -n "$CONTROL_FILE" ] || { say "CONTROL needs the paced server's control file (CLASS=hybrid)"; exit 2; }
   [ "$ROWS" = stack ] || { say "CONTROL changes the paced server only: ROWS=stack"; exit 2; }
-  VARIANT=${VARIANT:-$(printf '%s' "$CONTROL" | sed 's/PREFILL_GATE_//g; s/[^A-Za-z0-9.]\{1,\}/-/g')}
-  BENCH_WORK=$RES/variant-$VARIANT
-  mkdir -p "$BENCH_WORK"
   RESET_CONTROL=1  # cleanup() empties the control file, however this ends
   printf '%s\n' $CONTROL > "$CONTROL_FILE"
   # read as the server will (a file it refuses, it ignores: the parts would run on its own settings)
@@ -232,16 +238,10 @@ PY
 fi
 
 # PROXY_ARGS='--ARG=VALUE ...': more settings for every proxy the bench starts (e.g.
-# '--slice-inflight=2'), its parts in WORK/variant-VARIANT as with CONTROL (VARIANT: default from
-# PROXY_ARGS); the servers keep running.
+# '--slice-inflight-capped=2'), its parts in a variant folder (above); the servers keep running.
 PROXY_ARG_FLAGS=()
 if [ -n "${PROXY_ARGS:-}" ]; then
   for arg in $PROXY_ARGS; do PROXY_ARG_FLAGS+=("--proxy-arg=$arg"); done
-  if [ -z "${CONTROL:-}" ]; then
-    VARIANT=${VARIANT:-$(printf 'proxy%s' "$PROXY_ARGS" | sed 's/[^A-Za-z0-9.]\{1,\}/-/g')}
-    BENCH_WORK=$RES/variant-$VARIANT
-    mkdir -p "$BENCH_WORK"
-  fi
   say "proxy settings: $PROXY_ARGS (parts in $BENCH_WORK)"
 fi
 
