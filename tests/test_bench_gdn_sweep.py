@@ -122,3 +122,22 @@ def test_the_kernel_stage_sweeps_only_shapes_the_kernel_launches():
         gdn_sweep.check_shapes([gdn_sweep.launch_shape("16x1x64x8")], "cpu")
     with pytest.raises(SystemExit, match="w8x3: walk: value rows a power of two"):
         gdn_sweep.check_shapes([gdn_sweep.launch_shape("w8x3")], "cpu")
+
+
+def test_the_convolution_timing_runs_end_to_end_under_the_interpreter(tmp_path):
+    """bench/gpu/gdn_conv_time.py (vLLM's convolution against ours) on a narrow float32 layer
+    under the interpreter: a row per way, the same bits from all three, the environment."""
+    import os
+
+    pytest.importorskip("vllm")
+    out = tmp_path / "c.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu/gdn_conv_time.py"), "--json", str(out),
+                           "--device", "cpu", "--small", "--calls", "2", "--repeats", "1", "--prompt", "20"], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["conv"] for r in data["rows"]] == ["vLLM's causal_conv1d_fn", "ours, fast launch",
+                                                 "ours, Triton's launch"]
+    assert data["same_bits"] is True and all(r["host_us"] > 0 for r in data["rows"])
+    assert "git_commit" in data and "same bits all ways: True" in done.stdout

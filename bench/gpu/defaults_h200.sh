@@ -227,7 +227,8 @@ from prefill_gate.kernels import launch
 env = dict(kv.split("=", 1) for kv in sys.argv[2:])
 try:
     merged = {**env, **read_settings_file(sys.argv[1], control_key, ValueError)}
-    gdn.mode_from_env(merged), gdn.chunk_from_env(merged), gdn.walk_from_env(merged), launch.enabled_from_env(merged)
+    gdn.mode_from_env(merged), gdn.chunk_from_env(merged), gdn.walk_from_env(merged), gdn.conv_from_env(merged)
+    launch.enabled_from_env(merged)
     print(read_control_file(sys.argv[1], env).describe())
 except ValueError as exc:
     print(exc)

@@ -43,6 +43,7 @@ def register() -> None:
     graph_steps = graphs.mode_from_env()
     upload = graph_upload.mode_from_env()
     gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
+    gdn_conv = gdn.conv_from_env()
     gc_log_s = stalls.threshold_from_env()
     warm = warmup.enabled_from_env()
     fast_launch = launch.enabled_from_env()  # read again where the kernel loads; refused here first
@@ -56,18 +57,18 @@ def register() -> None:
     if gdn_limit or gdn.installed():  # vLLM's GDN layer modules load only where the patch is asked for
         internals = _vllm.gdn_internals()
         gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk,
-                    control=os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None)
+                    control=os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None, conv=gdn_conv)
         if gdn_limit and warm:  # the kernels a GDN hybrid's service would otherwise compile in service
             warmup.install(_vllm.warmup_internals(), internals, say, warn)
     stalls.install(gc_log_s, logger)
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s",
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s",
                 _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, graph_upload.ENV,
                 upload, gdn.ENV,
                 gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", gdn.WALK_ENV,
-                "x".join(map(str, gdn_walk)) if gdn_walk else "off", stalls.ENV,
+                "x".join(map(str, gdn_walk)) if gdn_walk else "off", gdn.CONV_ENV, gdn_conv, stalls.ENV,
                 f"{gc_log_s * 1e3:g}" if gc_log_s else "off", warmup.ENV, "on" if warm else "off", launch.ENV,
                 "on" if fast_launch else "off")

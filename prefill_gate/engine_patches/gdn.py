@@ -38,6 +38,14 @@ and decode-only steps take vLLM's path unchanged.
                                       rows and W warps a program (e.g. 8x1); the decodes keep
                                       the launch above, and so their bits. Not with a chunk
 
+    PREFILL_GATE_GDN_CONV       vllm  vLLM's ``causal_conv1d_fn`` for the step's convolution (default)
+                                ours  ``prefill_gate.kernels.causal_conv``: the same arithmetic op for
+                                      op (bit-identical, tested against vLLM's under Triton's
+                                      interpreter; on a GPU by the marked test), its launch through
+                                      the fast launcher and its bounds read on the device, with no
+                                      per-call wrapper; off until timed on a GPU
+                                      (bench/gpu/gdn_launch_time.py --conv)
+
 Numerics: decodes are bit-identical to vLLM's (the same arithmetic as its recurrent kernel,
 tested under Triton's interpreter); a prompt's tokens follow the recurrence token by token in
 float32 (with chunks: in chunks of 16 or 32 with tf32 products) where vLLM's chunked form computes
@@ -65,12 +73,14 @@ from prefill_gate.kernels import launch
 ENV = "PREFILL_GATE_GDN_RECURRENT"
 CHUNK_ENV = "PREFILL_GATE_GDN_CHUNK"
 WALK_ENV = "PREFILL_GATE_GDN_WALK"
+CONV_ENV = "PREFILL_GATE_GDN_CONV"
+CONVS = ("vllm", "ours")
 ON_TOKENS = 512  # "on": the H200 sweep's last length where one launch still beats vLLM's path
 MAX_TOKENS = 4096
 CHUNKS = (16, 32)
 # The settings a control file may change on a running server (PREFILL_GATE_PACING_CONTROL_FILE,
 # the pacer's file: one file for the engine's settings), and how often the layers look at it.
-CONTROL_KEYS = (ENV, CHUNK_ENV, WALK_ENV, launch.ENV)
+CONTROL_KEYS = (ENV, CHUNK_ENV, WALK_ENV, CONV_ENV, launch.ENV)
 CONTROL_POLL_SECONDS = 1.0
 PACING_PREFIX = "PREFILL_GATE_PACING"  # engine_patches.config's settings
 logger = logging.getLogger("vllm.prefill_gate")
@@ -133,6 +143,15 @@ def walk_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] |
     return walk
 
 
+def conv_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """Whose convolution an eligible step runs: vLLM's (``vllm``) or ours (``ours``)."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(CONV_ENV) or "vllm").strip().lower()
+    if raw not in CONVS:
+        raise GdnRecurrentError(f"{CONV_ENV}={env.get(CONV_ENV)!r}: expected {' or '.join(CONVS)}")
+    return raw
+
+
 def eligible(metadata, limit: int) -> bool:
     """Does this step's GDN metadata describe a step the recurrence takes: prompts totalling at
     most ``limit`` tokens, no speculative decoding, the mixed path's tensors present?"""
@@ -142,24 +161,33 @@ def eligible(metadata, limit: int) -> bool:
             and metadata.non_spec_query_start_loc is not None)
 
 
-def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, **launch) -> None:
-    """The layer's core for an eligible step: vLLM's convolution, then one recurrent launch
-    for every sequence. ``vllm``: ``_vllm.gdn_internals()``; ``launch``: the kernel's launch
-    shape and walk (``block_v``, ``stages``, ``chunk``; the kernel's defaults unless given)."""
+def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: str = "vllm", **launch) -> None:
+    """The layer's core for an eligible step: the convolution (vLLM's, or ours where ``conv`` is
+    ``ours`` and it covers the layer), then one recurrent launch for every sequence. ``vllm``:
+    ``_vllm.gdn_internals()``; ``launch``: the kernel's launch shape and walk (``block_v``,
+    ``stages``, ``chunk``; the kernel's defaults unless given)."""
     tokens = metadata.num_actual_tokens
     seqs = metadata.num_decodes + metadata.num_prefills
     conv_state = layer.kv_cache[0] if vllm.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
     ssm_state = layer.kv_cache[1]
     weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
-    conv = vllm.causal_conv1d_fn(
-        mixed_qkv[:tokens].transpose(0, 1), weight, layer.conv1d.bias, activation=layer.activation,
-        conv_states=conv_state, has_initial_state=metadata.has_initial_state,
-        cache_indices=metadata.non_spec_state_indices_tensor, query_start_loc=metadata.non_spec_query_start_loc,
-        metadata=metadata,
-    ).transpose(0, 1)
-    if conv.stride(1) != 1:  # the conv writes channels-last for a dense input; a strided view may not be
-        conv = conv.contiguous()
-    _recurrence(layer, conv, a[:tokens], b[:tokens], ssm_state, core_attn_out[:tokens],
+    x = mixed_qkv[:tokens]
+    from prefill_gate.kernels import causal_conv
+
+    if conv == "ours" and layer.activation in ("silu", "swish") and causal_conv.supported(x, weight, conv_state):
+        conved = causal_conv.causal_conv(x, weight, layer.conv1d.bias, conv_state,
+                                         metadata.non_spec_state_indices_tensor[:seqs],
+                                         metadata.has_initial_state[:seqs], metadata.non_spec_query_start_loc[:seqs + 1])
+    else:
+        conved = vllm.causal_conv1d_fn(
+            x.transpose(0, 1), weight, layer.conv1d.bias, activation=layer.activation,
+            conv_states=conv_state, has_initial_state=metadata.has_initial_state,
+            cache_indices=metadata.non_spec_state_indices_tensor, query_start_loc=metadata.non_spec_query_start_loc,
+            metadata=metadata,
+        ).transpose(0, 1)
+        if conved.stride(1) != 1:  # the conv writes channels-last for a dense input; a strided view may not be
+            conved = conved.contiguous()
+    _recurrence(layer, conved, a[:tokens], b[:tokens], ssm_state, core_attn_out[:tokens],
                 metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
                 metadata.has_initial_state[:seqs], **launch)
 
@@ -185,8 +213,9 @@ def _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, *
                           has_initial, out=out, **launch)
 
 
-def warm_up(layer, **launch) -> None:
-    """Compile the recurrent kernel's launches for ``layer``'s shapes now, before any stream
+def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, **launch) -> None:
+    """Compile the recurrent kernel's launches (and our convolution's, where ``conv`` is
+    ``ours``) for ``layer``'s shapes now, before any stream
     waits on it (``launch``: as ``recurrent_core`` gets it). The GDN path runs only for steps
     with a short prompt, which vLLM's own warm-up never makes, so without this the kernel
     compiles at the first such step in service. One decode and one two-token prompt, both in
@@ -203,6 +232,13 @@ def warm_up(layer, **launch) -> None:
     starts = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
     slots = torch.zeros(2, dtype=torch.int32, device=device)
     has_initial = torch.zeros(2, dtype=torch.bool, device=device)
+    if conv == "ours":
+        from prefill_gate.kernels import causal_conv
+
+        state = layer.kv_cache[0] if conv_state_dim_first else layer.kv_cache[0].transpose(-1, -2)
+        weights = weight.view(weight.size(0), weight.size(2))
+        if causal_conv.supported(conv, weights, state):
+            causal_conv.causal_conv(conv, weights, layer.conv1d.bias, state, slots, has_initial, starts)
     _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, **launch)
 
 
@@ -246,7 +282,8 @@ class Control:
             return
         try:
             merged = {**self.environ, **read_settings_file(self.path, control_key, GdnRecurrentError)}
-            settings = {"limit": mode_from_env(merged), "chunk": chunk_from_env(merged), "walk": walk_from_env(merged)}
+            settings = {"limit": mode_from_env(merged), "chunk": chunk_from_env(merged), "walk": walk_from_env(merged),
+                        "conv": conv_from_env(merged)}
             fast = launch.enabled_from_env(merged)
         except (OSError, ValueError) as exc:
             logger.error("prefill-gate Gated DeltaNet: control file ignored, settings kept: %s", exc)
@@ -258,32 +295,32 @@ class Control:
         walk = settings["walk"]
         self.log(f"Gated DeltaNet settings from {self.path}: {ENV}={settings['limit'] or 'off'}, "
                  f"{CHUNK_ENV}={settings['chunk'] or 'off'}, {WALK_ENV}={'x'.join(map(str, walk)) if walk else 'off'}, "
-                 f"{launch.ENV}={'on' if fast else 'off'}")
+                 f"{CONV_ENV}={settings['conv']}, {launch.ENV}={'on' if fast else 'off'}")
 
 
 def _fast_launch(enabled: bool | None) -> bool:
-    """Our kernel's fast launches: set them (``enabled``) and say whether they are on."""
-    from prefill_gate.kernels import gated_delta
+    """Our kernels' fast launches: set them (``enabled``) and say whether they are on."""
+    from prefill_gate.kernels import causal_conv, gated_delta
 
     if enabled is not None:
-        gated_delta._launch.enabled = enabled
+        gated_delta._launch.enabled = causal_conv._launch.enabled = enabled
     return gated_delta._launch.enabled
 
 
 def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, int] | None = None,
-            control: str | None = None) -> None:
+            control: str | None = None, conv: str = "vllm") -> None:
     """Wrap ``layer_cls._forward_core`` so that eligible steps take ``recurrent_core``. Installing
     again only replaces the settings (register() runs in every process); limit 0 restores vLLM's.
     ``control``: a control file the layers re-read their settings from (``Control``)."""
     current = layer_cls._forward_core
     if hasattr(current, "prefill_gate_settings"):
-        current.prefill_gate_settings.update(limit=limit, chunk=chunk, walk=walk)
+        current.prefill_gate_settings.update(limit=limit, chunk=chunk, walk=walk, conv=conv)
         current.prefill_gate_control[0] = Control(control, current.prefill_gate_settings, log) if control else None
         return
     if limit <= 0:
         return
     original = current
-    settings = {"limit": limit, "chunk": chunk, "walk": walk}
+    settings = {"limit": limit, "chunk": chunk, "walk": walk, "conv": conv}
     watch = [Control(control, settings, log) if control else None]
 
     @functools.wraps(original)
@@ -294,8 +331,8 @@ def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, i
         metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
         if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
             return original(self, mixed_qkv, b, a, core_attn_out)
-        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, chunk=settings["chunk"],
-                       walk=settings["walk"])
+        recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv=settings["conv"],
+                       chunk=settings["chunk"], walk=settings["walk"])
 
     _forward_core.prefill_gate_settings = settings
     _forward_core.prefill_gate_control = watch
@@ -304,4 +341,4 @@ def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, i
            f"prompts token by token in a launch of their own, {walk[0]} value rows and {walk[1]} warps a program "
            f"({WALK_ENV})" if walk else "prompts token by token")
     log(f"Gated DeltaNet: steps with at most {limit} prompt tokens run one recurrent launch a layer ({ENV}), "
-        f"{how}")
+        f"{how}; {CONV_ENV}={conv}")

@@ -103,8 +103,11 @@ def warm(runner, internals, gdn_internals) -> list[str]:
     settings = getattr(gdn_internals.layer_cls._forward_core, "prefill_gate_settings", None)
     if settings and settings["limit"] > 0:
         for layer in layers:
-            gdn.warm_up(layer, chunk=settings["chunk"], walk=settings["walk"])
+            gdn.warm_up(layer, conv=settings["conv"], chunk=settings["chunk"], walk=settings["walk"],
+                        conv_state_dim_first=settings["conv"] != "ours" or gdn_internals.is_conv_state_dim_first())
         done.append("_gated_delta_kernel")
+        if settings["conv"] == "ours":
+            done.append("_causal_conv_kernel")
     return done
 
 

@@ -7,8 +7,9 @@ Triton's own compiler builds PTX and a cubin for the target (``GPUTarget("cuda",
 and spill traffic per kernel. CI runs this for sm_70, sm_80 and sm_90 and requires no
 spills at head_dim 128 on sm_70 (V100). The Gated DeltaNet recurrence
 (``gated_delta._gated_delta_kernel``) is built too, at the 27B hybrid's sizes, token by token
-and (sm_80 and up) with prompts in chunks of 16: the compiler refuses what Triton's interpreter,
-where its numerics are tested, lets through.
+and (sm_80 and up) with prompts in chunks of 16, and the GDN layers' convolution
+(``causal_conv._causal_conv_kernel``): the compiler refuses what Triton's interpreter, where
+their numerics are tested, lets through.
 
 ``walk_report`` counts (bench/gdn_walks_aot.py runs it), in the PTX of each launch shape of the prompts' token walk (PREFILL_GATE_GDN_WALK: value
 rows and warps a program), what one token costs a program: instructions, warp shuffles and
@@ -151,6 +152,22 @@ def _gated_delta_ptx(arch: int, dtype: str, num_warps: int, constexprs: dict) ->
     return compiled.asm["ptx"]
 
 
+def causal_conv_report(arch: int, dtype: str = "bf16") -> Report:
+    """The GDN layers' convolution (``causal_conv._causal_conv_kernel``) as ``causal_conv``
+    launches it: inputs, weights, state and output in ``dtype``, the sequences' bounds int32."""
+    from prefill_gate.kernels import causal_conv
+
+    fn = causal_conv._causal_conv_kernel
+    constexprs = {"NULL": causal_conv.NULL_SLOT, "HAS_BIAS": True, "SILU": True, "SEQS": causal_conv.MIN_SEQS,
+                  "BLOCK_M": causal_conv.BLOCK_M, "BLOCK_N": causal_conv.BLOCK_N}
+    types = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "state_ptr": f"*{dtype}",
+             "out_ptr": f"*{dtype}", "slots_ptr": "*i32", "starts_ptr": "*i32", "has_initial_ptr": "*i1"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return Report(fn.__name__, 4, arch, dtype, causal_conv.WIDTH, False, **_ptxas(compiled.asm["ptx"], arch))
+
+
 # The prompts' own launch shapes offered to the sweep, (value rows, warps) a program. Not 32 x 4,
 # the one launch's shape: with the walk's prefetched inputs and its one round of sums, its state
 # tile no longer fits sm_90's 255 registers (24 bytes spilled a thread).
@@ -213,6 +230,7 @@ def all_reports(arches: list[int], dtype: str | None = None, head_dim: int = 128
         rows += [asdict(gated_delta_report(arch, dt, head_dim, stages)) for stages in (1, 2)]
         if arch >= 80:  # the chunked form wants tf32 tensor cores; on sm_70 its products are FMAs and spill
             rows.append(asdict(gated_delta_report(arch, dt, head_dim, 1, 16, CHUNK_WARPS, CHUNK_BLOCK_V)))
+        rows.append(asdict(causal_conv_report(arch, dt)))
     return rows
 
 

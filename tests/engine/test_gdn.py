@@ -44,6 +44,10 @@ def test_the_setting():
             gdn.walk_from_env({gdn.WALK_ENV: bad})
     with pytest.raises(gdn.GdnRecurrentError, match="set one of the two"):
         gdn.walk_from_env({gdn.WALK_ENV: "8x1", gdn.CHUNK_ENV: "16"})
+    assert gdn.conv_from_env({}) == "vllm" and gdn.conv_from_env({gdn.CONV_ENV: " Ours "}) == "ours"
+    for bad in ("on", "mine", "fla"):
+        with pytest.raises(gdn.GdnRecurrentError, match=f"{gdn.CONV_ENV}='{bad}': expected vllm or ours"):
+            gdn.conv_from_env({gdn.CONV_ENV: bad})
 
 
 def metadata(lens, has_initial, slots, spec=False, device="cpu"):
@@ -123,12 +127,14 @@ def fake_vllm(step):
         get_forward_context=lambda: SimpleNamespace(attn_metadata={PREFIX: step}), seen=seen)
 
 
-@pytest.mark.parametrize("chunk,walk", [(0, None), (16, None), (0, (4, 1))])
-def test_the_layer_core_matches_the_specification(chunk, walk):
+@pytest.mark.parametrize("chunk,walk,conv", [(0, None, "vllm"), (16, None, "vllm"), (0, (4, 1), "vllm"),
+                                             (0, (4, 1), "ours")])
+def test_the_layer_core_matches_the_specification(chunk, walk, conv):
     """A step of two decodes, a prompt continuing a cached state and a fresh prompt whose slot
     holds another request's old state, padded to 48 tokens as a graph-less step may be; with
     PREFILL_GATE_GDN_CHUNK=16 the 21-token prompt goes in chunks, with PREFILL_GATE_GDN_WALK
-    both prompts in a launch of their own."""
+    both prompts in a launch of their own, with PREFILL_GATE_GDN_CONV=ours our convolution
+    instead of vLLM's call."""
     lens, has_initial, slots = [1, 1, 9, 21], [True, True, True, False], [5, 2, 7, 3]
     step = metadata(lens, has_initial, slots)
     tokens, padded = sum(lens), 48
@@ -143,14 +149,14 @@ def test_the_layer_core_matches_the_specification(chunk, walk):
         pass
 
     vllm = fake_vllm(step)
-    gdn.install(Layer, 64, vllm, lambda message: None, chunk=chunk, walk=walk)
-    assert Layer._forward_core.prefill_gate_settings == {"limit": 64, "chunk": chunk, "walk": walk}
+    gdn.install(Layer, 64, vllm, lambda message: None, chunk=chunk, walk=walk, conv=conv)
+    assert Layer._forward_core.prefill_gate_settings == {"limit": 64, "chunk": chunk, "walk": walk, "conv": conv}
     patched = Layer()
     patched.kv_cache = tuple(t.clone() for t in layer.kv_cache)
     out = torch.zeros(padded, HV, V)
     FakeLayer.calls.clear()
     patched._forward_core(mixed_qkv, b, a, out)
-    assert vllm.seen == ["conv"] and FakeLayer.calls == []  # our path, with vLLM's conv call
+    assert vllm.seen == (["conv"] if conv == "vllm" else []) and FakeLayer.calls == []  # our path
 
     conv, conv_after = conv_ref(mixed_qkv[:tokens], layer.conv1d.weight[:, 0], layer.conv1d.bias, conv_before,
                                 has_initial, slots, step.non_spec_query_start_loc.tolist())
@@ -163,7 +169,7 @@ def test_the_layer_core_matches_the_specification(chunk, walk):
     assert torch.allclose(out[:tokens].double(), ref_out, atol=1e-5, rtol=1e-5)
     assert (out[tokens:] == 0).all()  # the padding rows stay as vLLM leaves them
     assert torch.allclose(patched.kv_cache[1].double(), ref_state, atol=1e-5, rtol=1e-5)
-    assert torch.equal(patched.kv_cache[0], conv_after)
+    assert torch.equal(patched.kv_cache[0], conv_after)  # (ours: the same inputs copied, so exactly)
 
     # A step past the limit, and one with no metadata for this layer, are vLLM's.
     Layer._forward_core.prefill_gate_settings["limit"] = 29
@@ -189,7 +195,7 @@ def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
     wrapped = QwenGatedDeltaNetAttention._forward_core
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": None}
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": None, "conv": "vllm"}
     assert wrapped.__wrapped__ is original
     assert f"at most {gdn.ON_TOKENS} prompt tokens run one recurrent launch" in caplog.text
     assert "prompts token by token" in caplog.text and "PREFILL_GATE_GDN_WALK=off" in caplog.text
@@ -197,12 +203,21 @@ def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
         engine_patches.register()
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1), "conv": "vllm"}
     assert "PREFILL_GATE_GDN_WALK=8x1" in caplog.text
+    monkeypatch.setenv(gdn.CONV_ENV, "ours")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.prefill_gate"):
+        engine_patches.register()
+    assert wrapped.prefill_gate_settings["conv"] == "ours" and "PREFILL_GATE_GDN_CONV=ours" in caplog.text
+    monkeypatch.setenv(gdn.CONV_ENV, "theirs")
+    with pytest.raises(gdn.GdnRecurrentError, match="PREFILL_GATE_GDN_CONV='theirs'"):
+        engine_patches.register()
+    monkeypatch.delenv(gdn.CONV_ENV)
     monkeypatch.delenv(gdn.WALK_ENV)
     monkeypatch.setenv(gdn.CHUNK_ENV, "32")
     engine_patches.register()
-    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 32, "walk": None}
+    assert wrapped.prefill_gate_settings == {"limit": gdn.ON_TOKENS, "chunk": 32, "walk": None, "conv": "vllm"}
     monkeypatch.setenv(gdn.CHUNK_ENV, "12")
     with pytest.raises(gdn.GdnRecurrentError, match="PREFILL_GATE_GDN_CHUNK='12'"):
         engine_patches.register()
@@ -239,6 +254,10 @@ def test_on_the_gpu_vllms_path_and_ours_agree():
     for walk in ((8, 1), (4, 1), (16, 2)):  # PREFILL_GATE_GDN_WALK: the decodes keep their launch and bits
         walked = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"walk": walk})
         assert walked["out_rel"] <= 2e-2 and walked["state_rel"] <= 2e-2 and walked["decode_out_equal"], (walk, walked)
+    # PREFILL_GATE_GDN_CONV=ours: the decodes' bits and the convolution states exactly vLLM's
+    ours = compare_paths(prompt_lens=[300, 37], decodes=8, launch={"walk": (8, 1), "conv": "ours"})
+    assert ours["out_rel"] <= 2e-2 and ours["state_rel"] <= 2e-2, ours
+    assert ours["decode_out_equal"] and ours["conv_state_equal"], ours
 
 
 
@@ -247,13 +266,14 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     look at it at most once a second, take a changed file's settings, keep theirs on a bad one,
     and get the environment's back from an emptied file; the fast launches follow."""
     from prefill_gate.engine_patches import config
-    from prefill_gate.kernels import gated_delta
+    from prefill_gate.kernels import causal_conv, gated_delta
 
     assert gdn.PACING_PREFIX == config.PREFIX and config.control_key is gdn.control_key  # one rule, both readers
     monkeypatch.setattr(gated_delta._launch, "enabled", False)
+    monkeypatch.setattr(causal_conv._launch, "enabled", False)  # (restored after the test, as the line above)
     control, now, said = tmp_path / "control.env", [100.0], []
     env = {gdn.ENV: "on", gdn.WALK_ENV: "8x1", "PREFILL_GATE_FAST_LAUNCH": "off"}  # the server's own: launches off
-    settings = {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    settings = {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1), "conv": "vllm"}
     watch = gdn.Control(str(control), settings, said.append, clock=lambda: now[0], environ=env)
     stamps = iter(range(10**18, 10**19, 10**9))
 
@@ -262,19 +282,20 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
         os.utime(control, ns=(next(stamps), next(stamps)))
 
     watch.poll()  # no file: the running settings
-    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)} and said == []
+    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1), "conv": "vllm"} and said == []
     write("PREFILL_GATE_PACING_TARGET_ITL_MS=40\nPREFILL_GATE_GDN_RECURRENT=off\nPREFILL_GATE_FAST_LAUNCH=on\n")
     now[0] += 1.0
     watch.poll()
     assert settings["limit"] == 0 and gated_delta._launch.enabled  # vLLM's path, fast launches on
     assert "PREFILL_GATE_GDN_RECURRENT=off" in said[-1] and "PREFILL_GATE_FAST_LAUNCH=on" in said[-1]
-    write("PREFILL_GATE_GDN_RECURRENT=256\n")
+    write("PREFILL_GATE_GDN_RECURRENT=256\nPREFILL_GATE_GDN_CONV=ours\n")
     now[0] += 0.5
     watch.poll()  # within the second: not looked at
     assert settings["limit"] == 0
     now[0] += 0.6
     watch.poll()
-    assert settings == {"limit": 256, "chunk": 0, "walk": (8, 1)} and not gated_delta._launch.enabled
+    assert settings == {"limit": 256, "chunk": 0, "walk": (8, 1), "conv": "ours"} and not gated_delta._launch.enabled
+    assert "PREFILL_GATE_GDN_CONV=ours" in said[-1]
     write("PREFILL_GATE_GDN_WALK=3x1\n")  # not a launch shape: refused, settings kept
     now[0] += 1.1
     watch.poll()
@@ -286,15 +307,15 @@ def test_the_control_file_switches_the_layers_settings_on_a_running_server(tmp_p
     write("")  # emptied: the environment's
     now[0] += 1.1
     watch.poll()
-    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1)}
+    assert settings == {"limit": gdn.ON_TOKENS, "chunk": 0, "walk": (8, 1), "conv": "vllm"}
     write("PREFILL_GATE_FAST_LAUNCH=on\n")
     now[0] += 1.1
     watch.poll()
-    assert gated_delta._launch.enabled
+    assert gated_delta._launch.enabled and causal_conv._launch.enabled
     write("")
     now[0] += 1.1
     watch.poll()
-    assert not gated_delta._launch.enabled  # the environment's again
+    assert not gated_delta._launch.enabled and not causal_conv._launch.enabled  # the environment's again
 
 
 def test_the_wrapper_looks_at_the_control_file_on_its_calls(tmp_path):

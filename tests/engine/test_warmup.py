@@ -93,7 +93,7 @@ class Table:
         self.calls.append((num_reqs, query_start_loc.dtype, positions.dtype, positions.numel()))
 
 
-@pytest.mark.parametrize("launch", [{}, {"chunk": 16}, {"walk": (4, 1)}])
+@pytest.mark.parametrize("launch", [{}, {"chunk": 16}, {"walk": (4, 1)}, {"walk": (4, 1), "conv": "ours"}])
 def test_the_kernel_warm_up_touches_no_state(launch):
     layer = FakeLayer()
     conv_before, ssm_before = layer.kv_cache[0].clone(), layer.kv_cache[1].clone()
@@ -126,9 +126,10 @@ def test_the_wrapper_follows_vllms_warm_up_once_and_never_stops_it():
     copies = []
     internals = SimpleNamespace(kernel_warmup=kernel_module(), batch_memcpy=lambda *args: copies.append(args))
     logs, warnings = [], []
-    warmup.install(internals, SimpleNamespace(layer_cls=Layer), logs.append, warnings.append)
+    gdn_internals = SimpleNamespace(layer_cls=Layer, is_conv_state_dim_first=lambda: True)
+    warmup.install(internals, gdn_internals, logs.append, warnings.append)
     wrapped = internals.kernel_warmup.qwen_triton_warmup
-    warmup.install(internals, SimpleNamespace(layer_cls=Layer), logs.append, warnings.append)
+    warmup.install(internals, gdn_internals, logs.append, warnings.append)
     assert internals.kernel_warmup.qwen_triton_warmup is wrapped  # register() runs in every process: once
 
     attention, state = Table("token_to_kv_slot"), Table("none")
@@ -149,6 +150,16 @@ def test_the_wrapper_follows_vllms_warm_up_once_and_never_stops_it():
     Layer._forward_core.prefill_gate_settings["limit"] = 0
     wrapped(Runner([Layer()], [attention]), "config")
     assert logs == [f"warmed up before serving ({warmup.ENV}): _compute_slot_mapping_kernel, batch_memcpy_kernel"]
+
+    # Our convolution on: warmed too, in the layout vLLM keeps the state in.
+    Layer._forward_core.prefill_gate_settings.update(limit=64, conv="ours")
+    logs.clear()
+    before = [x.kv_cache[0].clone() for x in layers]
+    wrapped(Runner(layers), "config")
+    assert logs == [f"warmed up before serving ({warmup.ENV}): batch_memcpy_kernel, _gated_delta_kernel, "
+                    "_causal_conv_kernel"]
+    assert all(torch.equal(x.kv_cache[0], c) for x, c in zip(layers, before))
+    Layer._forward_core.prefill_gate_settings["conv"] = "vllm"
 
     # A warm-up that fails says so and lets vLLM start.
     def broken(*args):
@@ -205,10 +216,12 @@ def test_on_the_gpu_service_compiles_nothing_after_the_warm_up():
     from prefill_gate.kernels.gated_delta import _gated_delta_kernel
     from tests.engine.gdn_gpu import make_layer, make_metadata
 
-    for launch in ({}, {"walk": (8, 1)}):
+    from prefill_gate.kernels.causal_conv import _causal_conv_kernel
+
+    for launch in ({}, {"walk": (8, 1)}, {"walk": (8, 1), "conv": "ours"}):
         layer = make_layer(slots=16)
-        gdn.warm_up(layer, **launch)
-        before = compiled(_gated_delta_kernel)
+        gdn.warm_up(layer, conv_state_dim_first=_vllm.gdn_internals().is_conv_state_dim_first(), **launch)
+        before = compiled(_gated_delta_kernel), compiled(_causal_conv_kernel) if launch.get("conv") else 0
         step = make_metadata(4, [300, 37], slots=[1, 2, 3, 4, 5, 6], has_initial=[True] * 4 + [False, True])
         tokens = step.num_actual_tokens
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -217,7 +230,8 @@ def test_on_the_gpu_service_compiles_nothing_after_the_warm_up():
         out = torch.zeros(tokens + 8, 48, 128, dtype=torch.bfloat16, device="cuda")
         gdn.recurrent_core(layer, mixed, ba[:, :48], ba[:, 48:], out, step, _vllm.gdn_internals(), **launch)
         torch.cuda.synchronize()
-        assert compiled(_gated_delta_kernel) == before, launch
+        assert (compiled(_gated_delta_kernel), compiled(_causal_conv_kernel) if launch.get("conv") else 0) == before, \
+            launch
 
     table = BlockTable(block_size=1568, kernel_block_size=16, max_num_reqs=64, max_num_blocks_per_req=21,
                        max_num_batched_tokens=2048, pin_memory=False, device=torch.device("cuda"),

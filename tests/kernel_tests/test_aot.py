@@ -61,6 +61,15 @@ def test_the_gdn_chunks_build_and_fit_on_hopper(reports):
         assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0, r
 
 
+def test_the_gdn_convolution_builds_for_every_target_without_spills(reports):
+    """causal_conv's kernel (PREFILL_GATE_GDN_CONV=ours): what the interpreter ran, the compiler
+    takes, for sm_70 (fp16), sm_80 and sm_90 (bf16)."""
+    rows = {r["arch"]: r for r in reports if r["kernel"] == "_causal_conv_kernel"}
+    assert set(rows) == {70, 80, 90}
+    for r in rows.values():
+        assert r["spill_stores_bytes"] == 0 and r["spill_loads_bytes"] == 0 and 0 < r["registers"] <= 255, r
+
+
 def test_the_prompts_walk_shapes_build_without_spills_and_one_warp_needs_no_cross_warp_sums(tmp_path):
     """PREFILL_GATE_GDN_WALK's shapes (the prompts' own launch, loading ahead) build for sm_90
     with the state tile in registers; with one warp a program the token loop's reductions stay
