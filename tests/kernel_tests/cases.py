@@ -25,3 +25,21 @@ def make_case(page: int, query_lens: list[int], contexts: list[int], num_q_heads
     return {"q": q.to(device), "k_cache": k.to(device), "v_cache": v.to(device), "block_table": table.to(device),
             "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
             "query_start_loc": starts.to(device), "scale": head_dim ** -0.5, "max_query_len": max(query_lens)}
+
+
+def in_a_vllm_child(call: str, timeout: float = 600) -> None:
+    """Run ``call`` (``module:function``, a function of this repository) in a child process where
+    vLLM's Triton kernels run under the interpreter: they need an active Triton driver unless
+    CUDA_VISIBLE_DEVICES is empty (vllm.triton_utils decides at import), which a process cannot
+    change once vLLM is imported. The function prints ``identical`` when its comparison held."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    module, function = call.split(":")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", f"import {module} as m; m.{function}()"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-3000:]

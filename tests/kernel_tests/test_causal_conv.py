@@ -10,16 +10,13 @@ comparison with real compiled kernels, at the 27B hybrid's width.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from prefill_gate.kernels.causal_conv import causal_conv
+from tests.kernel_tests.cases import in_a_vllm_child
 
-ROOT = Path(__file__).resolve().parents[2]
 WIDTH = 4
 
 
@@ -166,14 +163,9 @@ def _static_grid_for_the_interpreter() -> None:
 
 
 def test_bit_identical_to_vllms_own_convolution():
-    """vLLM's Triton kernels need an active Triton driver unless CUDA_VISIBLE_DEVICES is empty
-    (vllm.triton_utils), which this process cannot change once vLLM is imported: a child."""
+    """In a child: vLLM's kernels run under the interpreter only where vLLM was imported so."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    code = "import tests.kernel_tests.test_causal_conv as t; t._against_vllm()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-3000:]
+    in_a_vllm_child("tests.kernel_tests.test_causal_conv:_against_vllm")
 
 
 @pytest.mark.gpu

@@ -10,17 +10,14 @@ decodes and speculative verifies run), which it must match bit for bit.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from prefill_gate.kernels.gated_delta import gated_delta_recurrent
 from prefill_gate.kernels.reference import gated_delta_ref
+from tests.kernel_tests.cases import in_a_vllm_child
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_step(lens, H=2, HV=4, K=32, V=16, slots=8, dtype=torch.float32, seed=0, device="cpu"):
@@ -268,14 +265,9 @@ def _against_vllm() -> None:
 
 
 def test_bit_identical_to_vllms_own_recurrent_kernel():
-    """vLLM's Triton kernels need an active Triton driver unless CUDA_VISIBLE_DEVICES is empty
-    (vllm.triton_utils), which this process cannot change once vLLM is imported: a child."""
+    """In a child: vLLM's kernels run under the interpreter only where vLLM was imported so."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    code = "import tests.kernel_tests.test_gated_delta as t; t._against_vllm()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-3000:]
+    in_a_vllm_child("tests.kernel_tests.test_gated_delta:_against_vllm")
 
 
 @pytest.mark.gpu
