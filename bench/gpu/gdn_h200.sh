@@ -4,8 +4,11 @@
 # new row past it). Run at ef1b4e3: bench/results/gdn/h200/ (the limit 512 came from the sweep).
 #
 #   STAGE=kernel   no model: the GPU tests (kernel against the specification, one mixed step of a
-#                  27B-sized layer through vLLM's core and ours, nothing compiled after the warm-up) and bench/gpu/gdn_sweep.py (each
-#                  path's time per layer call by prompt length: where the limit should be). ~3 min
+#                  27B-sized layer through vLLM's core and ours, our convolution's bits against
+#                  vLLM's, nothing compiled after the warm-up), bench/gpu/gdn_conv_time.py (the
+#                  convolution's host work, vLLM's and ours, at 300 and 16 prompt tokens) and
+#                  bench/gpu/gdn_sweep.py (each path's time per layer call by prompt length: where
+#                  the limit should be). ~3 min
 #   STAGE=hybrid   the 27B hybrid (bench/gpu/hybrid_model.py) twice as the stack runs it (paced
 #                  scheduler, graphs auto, prefix caching, fp8 KV, budget 2,048): :8001 without the
 #                  patch, :8002 with PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} and
@@ -64,9 +67,13 @@ case $STAGE in
   kernel)
     # --noconftest: the suite's conftest imports the proxy's test fixtures; the GPU tests need none
     TRITON_INTERPRET=0 python3 -m pytest -v -rs --noconftest -p no:cacheprovider -m gpu \
-      tests/kernel_tests/test_gated_delta.py tests/engine/test_gdn.py tests/engine/test_warmup.py \
-      > "$RES/gpu-tests.txt" 2>&1
+      tests/kernel_tests/test_gated_delta.py tests/kernel_tests/test_causal_conv.py tests/engine/test_gdn.py \
+      tests/engine/test_warmup.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
+    for n in 300 16; do  # our convolution against vLLM's: one call's host work, the GPU's, the bits
+      [ -f "$RES/conv-time-$n.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_conv_time.py --prompt "$n" \
+        --json "$RES/conv-time-$n.json" 2>&1 | tee "$RES/conv-time-$n.txt"
+    done
     [ -f "$RES/sweep.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_sweep.py --json "$RES/sweep.json" \
       --shapes "${SHAPES:-32x1,32x1x0x1,w32x1,w16x1,w8x1,w4x1,w8x2,w16x2,16x1x16x8,16x1x32x8}" \
       2>&1 | tee "$RES/sweep.txt" ;;
