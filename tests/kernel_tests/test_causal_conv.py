@@ -64,7 +64,9 @@ INITIAL = [True, True, True, False, False, True, True]
 @pytest.mark.parametrize("dim_first", [True, False])
 def test_a_mixed_step_matches_the_specification(dim_first):
     x, weight, bias, state, starts = make_step(LENS, state_dim_first=dim_first)
-    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    # the slots as vLLM's GDN metadata has them: a column of the block table (strided)
+    table = torch.tensor([[s, 99, 98] for s in SLOTS], dtype=torch.int32)
+    slots = table[:, 0]
     has_initial = torch.tensor(INITIAL)
     ref_out, ref_state = conv_spec(x, weight, bias, state, SLOTS, INITIAL, starts)
     before = state.clone()
