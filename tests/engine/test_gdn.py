@@ -181,6 +181,50 @@ def test_the_layer_core_matches_the_specification(chunk, walk, conv):
     assert Layer._forward_core.prefill_gate_settings["limit"] == 0
 
 
+@pytest.mark.parametrize("walk", [None, (4, 1)])
+def test_the_core_with_our_convolution_is_blind_to_a_graphs_padding(walk):
+    """What a CUDA graph over padded mixed steps would hand the core (issue 50's whole-graph
+    steps; vLLM pads a FULL graph's batch so): more tokens than the sequences hold (rows of
+    garbage at the end) and sequences past the real ones with no tokens and vLLM's null slot.
+    With PREFILL_GATE_GDN_CONV=ours every bound is read on the device, so the padded call must
+    give the real tokens' outputs and every state exactly as the unpadded call does, and touch
+    nothing else: a padding error here would corrupt recurrent state silently."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    lens, has_initial, slots = [1, 1, 9, 21], [True, True, True, False], [5, 2, 7, 3]
+    real, padded_tokens, pad_seqs = sum(lens), 48, 3
+    g = torch.Generator().manual_seed(4)
+    mixed_qkv = torch.randn(padded_tokens, 2 * H * K + HV * V, generator=g)
+    ba = torch.randn(padded_tokens, 2 * HV, generator=g)
+    layer = FakeLayer(seed=2)
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+
+    def step(tokens, extra):
+        return GDNAttentionMetadata(
+            num_prefills=2 + extra, num_prefill_tokens=tokens - 2, num_decodes=2, num_decode_tokens=2,
+            num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=tokens,
+            has_initial_state=torch.tensor(has_initial + [False] * extra),
+            non_spec_query_start_loc=torch.tensor(starts + [real] * extra, dtype=torch.int32),
+            non_spec_state_indices_tensor=torch.tensor(slots + [0] * extra, dtype=torch.int32),
+            spec_sequence_masks=None)
+
+    runs = []
+    for tokens, extra in ((real, 0), (padded_tokens, pad_seqs)):
+        kv = tuple(t.clone() for t in layer.kv_cache)
+        core = SimpleNamespace(**{**vars(layer), "kv_cache": kv})
+        out = torch.full((padded_tokens, HV, V), 3.0)
+        gdn.recurrent_core(core, mixed_qkv, ba[:, :HV], ba[:, HV:], out, step(tokens, extra), fake_vllm(None),
+                           conv="ours", walk=walk)
+        runs.append((out, kv))
+    (out, kv), (out_padded, kv_padded) = runs
+    assert torch.equal(out[:real], out_padded[:real])
+    assert torch.equal(kv[0], kv_padded[0]) and torch.equal(kv[1], kv_padded[1])
+    untouched = [n for n in range(layer.kv_cache[0].shape[0]) if n not in slots]
+    assert torch.equal(kv_padded[0][untouched], layer.kv_cache[0][untouched])  # the null slot (0) included
+    assert torch.equal(kv_padded[1][untouched], layer.kv_cache[1][untouched])
+    assert (out_padded[real:] == 3.0).all()  # the padding rows: not written
+
+
 def test_register_wraps_vllms_layer_only_when_asked(monkeypatch, caplog):
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
