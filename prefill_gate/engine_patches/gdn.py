@@ -226,7 +226,7 @@ def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, **laun
 
     weight, ssm_state = layer.conv1d.weight, layer.kv_cache[1]
     device, dtype, heads = weight.device, weight.dtype, ssm_state.shape[1]
-    conv = torch.zeros(3, weight.size(0), dtype=dtype, device=device)
+    qkv = torch.zeros(3, weight.size(0), dtype=dtype, device=device)
     a, b = torch.zeros(3, heads, dtype=dtype, device=device), torch.zeros(3, heads, dtype=dtype, device=device)
     out = torch.empty(3, heads, layer.head_v_dim, dtype=dtype, device=device)
     starts = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
@@ -237,9 +237,9 @@ def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, **laun
 
         state = layer.kv_cache[0] if conv_state_dim_first else layer.kv_cache[0].transpose(-1, -2)
         weights = weight.view(weight.size(0), weight.size(2))
-        if causal_conv.supported(conv, weights, state):
-            causal_conv.causal_conv(conv, weights, layer.conv1d.bias, state, slots, has_initial, starts)
-    _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, **launch)
+        if causal_conv.supported(qkv, weights, state):
+            causal_conv.causal_conv(qkv, weights, layer.conv1d.bias, state, slots, has_initial, starts)
+    _recurrence(layer, qkv, a, b, ssm_state, out, starts, slots, has_initial, **launch)
 
 
 def _rows(x):

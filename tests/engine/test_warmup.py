@@ -94,11 +94,19 @@ class Table:
 
 
 @pytest.mark.parametrize("launch", [{}, {"chunk": 16}, {"walk": (4, 1)}, {"walk": (4, 1), "conv": "ours"}])
-def test_the_kernel_warm_up_touches_no_state(launch):
+def test_the_kernel_warm_up_touches_no_state(launch, monkeypatch):
+    """... and with PREFILL_GATE_GDN_CONV=ours it launches our convolution too (its compilation
+    is what the warm-up is for), in the state layout vLLM keeps."""
+    from prefill_gate.kernels import causal_conv
+
+    convs = []
+    real = causal_conv.causal_conv
+    monkeypatch.setattr(causal_conv, "causal_conv", lambda *args, **kw: convs.append(args[3].shape) or real(*args, **kw))
     layer = FakeLayer()
     conv_before, ssm_before = layer.kv_cache[0].clone(), layer.kv_cache[1].clone()
     gdn.warm_up(layer, **launch)
     assert torch.equal(layer.kv_cache[0], conv_before) and torch.equal(layer.kv_cache[1], ssm_before)
+    assert convs == ([layer.kv_cache[0].shape] if launch.get("conv") == "ours" else [])
 
 
 class Runner:
