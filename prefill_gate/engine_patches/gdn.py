@@ -213,7 +213,7 @@ def _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, *
                           has_initial, out=out, **launch)
 
 
-def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, **launch) -> None:
+def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, max_seqs: int = 64, **launch) -> None:
     """Compile the recurrent kernel's launches (and our convolution's, where ``conv`` is
     ``ours``) for ``layer``'s shapes now, before any stream
     waits on it (``launch``: as ``recurrent_core`` gets it). The GDN path runs only for steps
@@ -239,6 +239,12 @@ def warm_up(layer, conv: str = "vllm", conv_state_dim_first: bool = True, **laun
         weights = weight.view(weight.size(0), weight.size(2))
         if causal_conv.supported(qkv, weights, state):
             causal_conv.causal_conv(qkv, weights, layer.conv1d.bias, state, slots, has_initial, starts)
+            # steps of more sequences than the kernel's vector of them: one compiled kernel per
+            # doubling, up to the engine's max_num_seqs (null slots, no tokens: nothing runs)
+            for seqs in causal_conv.seq_buckets(max_seqs)[1:]:
+                none = torch.zeros(seqs, dtype=torch.int32, device=device)
+                causal_conv.causal_conv(qkv, weights, layer.conv1d.bias, state, none, none.bool(),
+                                        torch.zeros(seqs + 1, dtype=torch.int32, device=device))
     _recurrence(layer, qkv, a, b, ssm_state, out, starts, slots, has_initial, **launch)
 
 

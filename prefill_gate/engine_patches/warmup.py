@@ -104,7 +104,8 @@ def warm(runner, internals, gdn_internals) -> list[str]:
     if settings and settings["limit"] > 0:
         for layer in layers:
             gdn.warm_up(layer, conv=settings["conv"], chunk=settings["chunk"], walk=settings["walk"],
-                        conv_state_dim_first=settings["conv"] != "ours" or gdn_internals.is_conv_state_dim_first())
+                        conv_state_dim_first=settings["conv"] != "ours" or gdn_internals.is_conv_state_dim_first(),
+                        max_seqs=getattr(runner, "max_num_reqs", 64))
         done.append("_gated_delta_kernel")
         if settings["conv"] == "ours":
             done.append("_causal_conv_kernel")

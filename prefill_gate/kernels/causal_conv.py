@@ -134,6 +134,15 @@ def _causal_conv_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, has_initia
         tl.store(out_ptr + (start + first + i) * stride_o_tok + feats, acc, mask=fmask)
 
 
+def seq_buckets(max_seqs: int) -> list[int]:
+    """The kernel's vector of sequences (``SEQS``) for steps of up to ``max_seqs`` sequences,
+    each a compiled kernel: MIN_SEQS, then doublings."""
+    buckets = [MIN_SEQS]
+    while buckets[-1] < max_seqs:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
     """Can ``causal_conv`` take this layer's step (else vLLM's function should)?"""
     return (x.dim() == 2 and x.stride(1) == 1 and weight.dim() == 2 and weight.shape[1] == WIDTH
@@ -164,7 +173,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _launch(grid, x, weight, bias if bias is not None else weight, state, slots, has_initial, starts, out,
             seqs, dim, x.stride(0), weight.stride(0), weight.stride(1), *state.stride(), slots.stride(0),
             out.stride(0), num_warps=4, NULL=NULL_SLOT, HAS_BIAS=bias is not None, SILU=silu,
-            SEQS=max(MIN_SEQS, 1 << (seqs - 1).bit_length()), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+            SEQS=max(MIN_SEQS, 1 << (seqs - 1).bit_length()), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)  # seq_buckets
     return out
 
 

@@ -101,12 +101,14 @@ def test_the_kernel_warm_up_touches_no_state(launch, monkeypatch):
 
     convs = []
     real = causal_conv.causal_conv
-    monkeypatch.setattr(causal_conv, "causal_conv", lambda *args, **kw: convs.append(args[3].shape) or real(*args, **kw))
+    monkeypatch.setattr(causal_conv, "causal_conv", lambda *args, **kw: convs.append((args[3].shape, len(args[4]))) or real(*args, **kw))
     layer = FakeLayer()
     conv_before, ssm_before = layer.kv_cache[0].clone(), layer.kv_cache[1].clone()
-    gdn.warm_up(layer, **launch)
+    gdn.warm_up(layer, max_seqs=200, **launch)
     assert torch.equal(layer.kv_cache[0], conv_before) and torch.equal(layer.kv_cache[1], ssm_before)
-    assert convs == ([layer.kv_cache[0].shape] if launch.get("conv") == "ours" else [])
+    # a vector of 64 sequences a kernel, then 128, then 256: every kernel a step of up to 200 runs
+    shape = layer.kv_cache[0].shape
+    assert convs == ([(shape, 2), (shape, 128), (shape, 256)] if launch.get("conv") == "ours" else [])
 
 
 class Runner:
