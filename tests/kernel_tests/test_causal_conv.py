@@ -108,10 +108,25 @@ def test_refuses_what_it_does_not_cover():
                     starts)
 
 
-def _against_vllm(device: str = "cpu", dim: int = 300, lens=tuple(LENS), slots=tuple(SLOTS),
-                  initial=tuple(INITIAL)) -> None:
-    """vLLM's causal_conv1d_fn over the same step, with the chunk lists its GDN metadata builder
-    makes (``compute_causal_conv1d_metadata``), the call the GDN patch makes today."""
+def random_steps(count: int, seed: int = 0) -> list[tuple[list[int], list[int], list[bool]]]:
+    """``count`` steps of 1-9 sequences, lengths around the chunk and state sizes (1-4, 7-9,
+    15-17, 30), distinct slots with now and then vLLM's null slot (0), mixed has_initial."""
+    import random
+
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(count):
+        n = rng.randint(1, 9)
+        lens = sorted((rng.choice([1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 30]) for _ in range(n)), key=lambda x: x != 1)
+        slots = [0 if rng.random() < 0.1 else s for s in rng.sample(range(1, 21), n)]
+        steps.append((lens, slots, [rng.random() < 0.6 for _ in range(n)]))
+    return steps
+
+
+def _against_vllm(device: str = "cpu", dim: int = 300, steps=None) -> None:
+    """vLLM's causal_conv1d_fn over the same steps (default: the mixed step above and 6 random
+    ones), with the chunk lists its GDN metadata builder makes (``compute_causal_conv1d_metadata``),
+    the call the GDN patch makes today."""
     from types import SimpleNamespace
 
     import vllm.utils.torch_utils
@@ -123,25 +138,29 @@ def _against_vllm(device: str = "cpu", dim: int = 300, lens=tuple(LENS), slots=t
         vllm.utils.torch_utils.PIN_MEMORY = backend_utils.PIN_MEMORY = False
         _static_grid_for_the_interpreter()
 
+    steps = steps or [(LENS, SLOTS, INITIAL), *random_steps(6)]
     # Triton's interpreter has no bfloat16 arithmetic of its own (numpy has none): both kernels give
     # garbage alike there, so bfloat16 is compared on a GPU only.
     for dtype in (torch.float32,) if device == "cpu" else (torch.bfloat16, torch.float32):
-        x, weight, bias, state, starts = make_step(list(lens), dim=dim, dtype=dtype, seed=11)
-        x, weight, bias, state, starts = (t.to(device) for t in (x, weight, bias, state, starts))
-        slot_t = torch.tensor(slots, dtype=torch.int32, device=device)
-        has_initial = torch.tensor(initial, device=device)
-        nums, batch_ptr, offsets = compute_causal_conv1d_metadata(starts.cpu(), device=torch.device(device))
-        metadata = SimpleNamespace(nums_dict=nums, batch_ptr=batch_ptr, token_chunk_offset_ptr=offsets)
-        theirs_state = state.clone()
-        theirs = causal_conv1d_fn(x.transpose(0, 1), weight, bias, activation="silu", conv_states=theirs_state,
-                                  has_initial_state=has_initial, cache_indices=slot_t, query_start_loc=starts,
-                                  metadata=metadata).transpose(0, 1)
-        ours_state = state.clone()
-        ours = causal_conv(x, weight, bias, ours_state, slot_t, has_initial, starts)
-        real = torch.tensor([s != 0 for n, s in enumerate(slots) for _ in range(lens[n])], device=device)
-        assert theirs[real].isfinite().all()
-        assert torch.equal(theirs[real], ours[real]), (dtype, (theirs[real].float() - ours[real].float()).abs().max())
-        assert torch.equal(theirs_state, ours_state), dtype
+        for n, (lens, slots, initial) in enumerate(steps):
+            x, weight, bias, state, starts = make_step(list(lens), dim=dim, dtype=dtype, seed=11 + n,
+                                                       slots=max(slots) + 2)
+            x, weight, bias, state, starts = (t.to(device) for t in (x, weight, bias, state, starts))
+            slot_t = torch.tensor(slots, dtype=torch.int32, device=device)
+            has_initial = torch.tensor(initial, device=device)
+            nums, batch_ptr, offsets = compute_causal_conv1d_metadata(starts.cpu(), device=torch.device(device))
+            metadata = SimpleNamespace(nums_dict=nums, batch_ptr=batch_ptr, token_chunk_offset_ptr=offsets)
+            theirs_state = state.clone()
+            theirs = causal_conv1d_fn(x.transpose(0, 1), weight, bias, activation="silu", conv_states=theirs_state,
+                                      has_initial_state=has_initial, cache_indices=slot_t, query_start_loc=starts,
+                                      metadata=metadata).transpose(0, 1)
+            ours_state = state.clone()
+            ours = causal_conv(x, weight, bias, ours_state, slot_t, has_initial, starts)
+            real = torch.tensor([s != 0 for i, s in enumerate(slots) for _ in range(lens[i])], device=device)
+            what = (dtype, lens, slots, initial)
+            assert theirs[real].isfinite().all(), what
+            assert torch.equal(theirs[real], ours[real]), (what, (theirs[real].float() - ours[real].float()).abs().max())
+            assert torch.equal(theirs_state, ours_state), what
     print("identical")
 
 
@@ -176,5 +195,5 @@ def test_on_the_gpu_bit_identical_to_vllms_convolution():
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)")
     lens = [1] * 16 + [300, 37, 2]
-    _against_vllm("cuda", dim=10240, lens=lens, slots=list(range(1, len(lens) + 1)),
-                  initial=[True] * 17 + [False, True])
+    _against_vllm("cuda", dim=10240, steps=[(lens, list(range(1, len(lens) + 1)), [True] * 17 + [False, True]),
+                                            *random_steps(20, seed=1)])
