@@ -172,12 +172,12 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: 
     ssm_state = layer.kv_cache[1]
     weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
     x = mixed_qkv[:tokens]
+    starts, slots = metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs]
+    has_initial = metadata.has_initial_state[:seqs]
     from prefill_gate.kernels import causal_conv
 
     if conv == "ours" and layer.activation in ("silu", "swish") and causal_conv.supported(x, weight, conv_state):
-        conved = causal_conv.causal_conv(x, weight, layer.conv1d.bias, conv_state,
-                                         metadata.non_spec_state_indices_tensor[:seqs],
-                                         metadata.has_initial_state[:seqs], metadata.non_spec_query_start_loc[:seqs + 1])
+        conved = causal_conv.causal_conv(x, weight, layer.conv1d.bias, conv_state, slots, has_initial, starts)
     else:
         conved = vllm.causal_conv1d_fn(
             x.transpose(0, 1), weight, layer.conv1d.bias, activation=layer.activation,
@@ -187,9 +187,8 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: 
         ).transpose(0, 1)
         if conved.stride(1) != 1:  # the conv writes channels-last for a dense input; a strided view may not be
             conved = conved.contiguous()
-    _recurrence(layer, conved, a[:tokens], b[:tokens], ssm_state, core_attn_out[:tokens],
-                metadata.non_spec_query_start_loc[:seqs + 1], metadata.non_spec_state_indices_tensor[:seqs],
-                metadata.has_initial_state[:seqs], **launch)
+    _recurrence(layer, conved, a[:tokens], b[:tokens], ssm_state, core_attn_out[:tokens], starts, slots, has_initial,
+                **launch)
 
 
 def _recurrence(layer, conv, a, b, ssm_state, out, starts, slots, has_initial, **launch) -> None:
