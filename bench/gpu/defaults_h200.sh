@@ -44,6 +44,9 @@
 #   (GDN_CHUNK, GDN_LIMIT and GDN_WALK from GDN_SWEEP, default /root/gdn/kernel/sweep.json, unless set)
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
 #   SUBBLOCK=1: after the rows, sub-block pacing's answers on the paced server (below).
+#   GREEDY_SAVE=FILE, GREEDY_AGAINST=FILE: after the rows, the paced server's greedy answers saved, or
+#   compared with saved ones (below). PACED_EXTRA_ENV=PREFILL_GATE_GDN_GRAPH=on: whole graphs for
+#   mixed steps (the server then runs cudagraph_mode FULL), with WORK elsewhere.
 #   PROFILE=1: the paced server armed with vLLM's torch profiler, and after the rows a profile of
 #   short prompts beside 4 streams on it, summarised per step (below).
 #   CONTROL='KEY=VALUE ...' (ROWS=stack): the parts on the running paced server with these engine-patch
@@ -79,6 +82,9 @@ case $CLASS in
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off}
                PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} ${PACED_EXTRA_ENV:-})
     PACED_ARGS=()
+    # PREFILL_GATE_GDN_GRAPH=on (engine_patches.gdn_graph): whole graphs for mixed steps, which
+    # vLLM builds only with cudagraph_mode FULL (pieces for mixed steps otherwise)
+    [[ "${PACED_EXTRA_ENV:-}" == *GDN_GRAPH=on* ]] && PACED_ARGS=(--compilation-config '{"cudagraph_mode":"FULL"}')
     # the paced simulator as the stack: graphs to 512 and the GDN path (its own preset), steps of the
     # 320 tokens its model fits in 44 ms (14.1 + 1 + 0.09 a token), as adaptive pacing at TARGET_MS would
     SIM_ARGS=(--preset h200-27b-hybrid) SIM_PACED_ARGS=(--preset h200-27b-hybrid-stack --pacing-cap 320 --pacing-sub-block) ;;
@@ -266,6 +272,17 @@ if [ "${SUBBLOCK:-0}" = 1 ] && [ -n "$CONTROL_FILE" ] && [ "${DRY_RUN:-0}" != 1 
   say "sub-block pacing's answers on the paced server"
   python3 bench/gpu/sub_block_compare.py "http://127.0.0.1:$PACED" --control "$CONTROL_FILE" \
     --json "$RES/subblock.json" 2>&1 | tail -4
+fi
+# GREEDY_SAVE=FILE / GREEDY_AGAINST=FILE: the paced server's greedy answers to short prompts saved,
+# or compared with answers saved before from another server (bench/gpu/greedy_compare.py: one 27B
+# server at a time on an H100; e.g. PREFILL_GATE_GDN_GRAPH on against off); greedy.json beside.
+if [ -n "${GREEDY_SAVE:-}${GREEDY_AGAINST:-}" ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
+  if [ -n "${GREEDY_SAVE:-}" ]; then
+    python3 bench/gpu/greedy_compare.py "http://127.0.0.1:$PACED" --save "$GREEDY_SAVE" 2>&1 | tail -2
+  else
+    python3 bench/gpu/greedy_compare.py "http://127.0.0.1:$PACED" --against "$GREEDY_AGAINST" \
+      --json "$RES/greedy.json" 2>&1 | tail -2
+  fi
 fi
 # PROFILE=1: per step of short prompts beside 4 streams, the host's time, the GDN cores' share of
 # it, the GPU's busy time and the launches (issue 50's profile of the eager GDN path; profile.json

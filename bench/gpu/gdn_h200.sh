@@ -68,7 +68,7 @@ case $STAGE in
     # --noconftest: the suite's conftest imports the proxy's test fixtures; the GPU tests need none
     TRITON_INTERPRET=0 python3 -m pytest -v -rs --noconftest -p no:cacheprovider -m gpu \
       tests/kernel_tests/test_gated_delta.py tests/kernel_tests/test_causal_conv.py tests/engine/test_gdn.py \
-      tests/engine/test_warmup.py > "$RES/gpu-tests.txt" 2>&1
+      tests/engine/test_gdn_graph.py tests/engine/test_warmup.py > "$RES/gpu-tests.txt" 2>&1
     tail -8 "$RES/gpu-tests.txt"
     for n in 300 16; do  # our convolution against vLLM's: one call's host work, the GPU's, the bits
       [ -f "$RES/conv-time-$n.json" ] || TRITON_INTERPRET=0 python3 bench/gpu/gdn_conv_time.py --prompt "$n" \

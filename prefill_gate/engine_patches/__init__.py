@@ -33,7 +33,7 @@ logger = logging.getLogger(LOGGER)
 
 
 def register() -> None:
-    from prefill_gate.engine_patches import _vllm, gdn, graph_upload, graphs, stalls, warmup  # _vllm: the version check
+    from prefill_gate.engine_patches import _vllm, gdn, gdn_graph, graph_upload, graphs, stalls, warmup  # _vllm: the version check
     from prefill_gate.engine_patches.config import PacingConfig
     from prefill_gate.engine_patches.routing import mode_from_env
     from prefill_gate.kernels import launch
@@ -44,6 +44,10 @@ def register() -> None:
     upload = graph_upload.mode_from_env()
     gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
     gdn_conv = gdn.conv_from_env()
+    gdn_graphs = gdn_graph.mode_from_env()
+    gdn_graph.check_settings(gdn_graphs, gdn_limit, os.environ.get(gdn.CONV_ENV))
+    if gdn_graphs:
+        gdn_conv = "ours"  # the graphs' convolution: the eager steps take the same one
     gc_log_s = stalls.threshold_from_env()
     warm = warmup.enabled_from_env()
     fast_launch = launch.enabled_from_env()  # read again where the kernel loads; refused here first
@@ -58,17 +62,21 @@ def register() -> None:
         internals = _vllm.gdn_internals()
         gdn.install(internals.layer_cls, gdn_limit, internals, say, chunk=gdn_chunk, walk=gdn_walk,
                     control=os.environ.get("PREFILL_GATE_PACING_CONTROL_FILE") or None, conv=gdn_conv)
+        if gdn_graphs:
+            gdn_graph.install(internals.backend_cls, internals.builder_cls, _vllm.AttentionCGSupport.ALWAYS,
+                              _vllm.CUDAGraphMode.FULL, say)
         if gdn_limit and warm:  # the kernels a GDN hybrid's service would otherwise compile in service
             warmup.install(_vllm.warmup_internals(), internals, say, warn)
     stalls.install(gc_log_s, logger)
     # A class path, so the backend (Triton kernels) loads only where CUSTOM is selected.
     _vllm.register_backend(_vllm.AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
     logger.info("prefill-gate engine_patches for vLLM %s: %s; --attention-backend CUSTOM -> %s "
-                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s",
+                "(PREFILL_GATE_SPEC_AS_DECODE=%s); %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s; %s=%s",
                 _vllm.SUPPORTED_VLLM,
                 config.describe(), ATTENTION_BACKEND, spec_as_decode, graphs.ENV, graph_steps, graph_upload.ENV,
                 upload, gdn.ENV,
                 gdn_limit or "off", gdn.CHUNK_ENV, gdn_chunk or "off", gdn.WALK_ENV,
-                "x".join(map(str, gdn_walk)) if gdn_walk else "off", gdn.CONV_ENV, gdn_conv, stalls.ENV,
+                "x".join(map(str, gdn_walk)) if gdn_walk else "off", gdn.CONV_ENV, gdn_conv,
+                gdn_graph.ENV, "on" if gdn_graphs else "off", stalls.ENV,
                 f"{gc_log_s * 1e3:g}" if gc_log_s else "off", warmup.ENV, "on" if warm else "off", launch.ENV,
                 "on" if fast_launch else "off")

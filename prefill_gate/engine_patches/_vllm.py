@@ -130,11 +130,16 @@ def gdn_internals():
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.v1.attention.backends.gdn_attn import (
+        GDNAttentionBackend,
+        GDNAttentionMetadata,
+        GDNAttentionMetadataBuilder,
+    )
 
     return SimpleNamespace(layer_cls=QwenGatedDeltaNetAttention, metadata_cls=GDNAttentionMetadata,
                            get_forward_context=get_forward_context, causal_conv1d_fn=causal_conv1d_fn,
-                           is_conv_state_dim_first=is_conv_state_dim_first)
+                           is_conv_state_dim_first=is_conv_state_dim_first, backend_cls=GDNAttentionBackend,
+                           builder_cls=GDNAttentionMetadataBuilder)
 
 
 def graph_internals():

@@ -68,6 +68,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from prefill_gate._env import FileWatch, read_settings_file
+from prefill_gate.engine_patches.gdn_graph import MARK as GRAPH_MARK
 from prefill_gate.kernels import launch
 
 ENV = "PREFILL_GATE_GDN_RECURRENT"
@@ -161,13 +162,18 @@ def eligible(metadata, limit: int) -> bool:
             and metadata.non_spec_query_start_loc is not None)
 
 
-def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: str = "vllm", **launch) -> None:
+def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: str = "vllm",
+                   seqs: int | None = None, **launch) -> None:
     """The layer's core for an eligible step: the convolution (vLLM's, or ours where ``conv`` is
     ``ours`` and it covers the layer), then one recurrent launch for every sequence. ``vllm``:
     ``_vllm.gdn_internals()``; ``launch``: the kernel's launch shape and walk (``block_v``,
-    ``stages``, ``chunk``; the kernel's defaults unless given)."""
+    ``stages``, ``chunk``; the kernel's defaults unless given). ``seqs``: a whole graph's step
+    (``gdn_graph``): every one of its sequences, padding included, through our convolution
+    (vLLM's sizes its launch on the host, which a graph cannot replay)."""
     tokens = metadata.num_actual_tokens
-    seqs = metadata.num_decodes + metadata.num_prefills
+    graphed = seqs is not None
+    if not graphed:
+        seqs = metadata.num_decodes + metadata.num_prefills
     conv_state = layer.kv_cache[0] if vllm.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
     ssm_state = layer.kv_cache[1]
     weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
@@ -176,8 +182,12 @@ def recurrent_core(layer, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv: 
     has_initial = metadata.has_initial_state[:seqs]
     from prefill_gate.kernels import causal_conv
 
-    if conv == "ours" and layer.activation in ("silu", "swish") and causal_conv.supported(x, weight, conv_state):
+    if (graphed or conv == "ours") and layer.activation in ("silu", "swish") and causal_conv.supported(
+            x, weight, conv_state):
         conved = causal_conv.causal_conv(x, weight, layer.conv1d.bias, conv_state, slots, has_initial, starts)
+    elif graphed:
+        raise RuntimeError(f"PREFILL_GATE_GDN_GRAPH=on: our convolution does not cover this layer (activation "
+                           f"{layer.activation}, {x.dtype}, width {weight.shape[-1]}); set PREFILL_GATE_GDN_GRAPH=off")
     else:
         conved = vllm.causal_conv1d_fn(
             x.transpose(0, 1), weight, layer.conv1d.bias, activation=layer.activation,
@@ -334,10 +344,13 @@ def install(layer_cls, limit: int, vllm, log, chunk: int = 0, walk: tuple[int, i
             watch[0].poll()
         attn = vllm.get_forward_context().attn_metadata
         metadata = attn.get(self.prefix) if isinstance(attn, dict) else None
-        if not isinstance(metadata, vllm.metadata_cls) or not eligible(metadata, settings["limit"]):
+        if not isinstance(metadata, vllm.metadata_cls):
+            return original(self, mixed_qkv, b, a, core_attn_out)
+        graph_seqs = getattr(metadata, GRAPH_MARK, None)  # a whole graph's step: its path is fixed
+        if graph_seqs is None and not eligible(metadata, settings["limit"]):
             return original(self, mixed_qkv, b, a, core_attn_out)
         recurrent_core(self, mixed_qkv, b, a, core_attn_out, metadata, vllm, conv=settings["conv"],
-                       chunk=settings["chunk"], walk=settings["walk"])
+                       seqs=graph_seqs, chunk=settings["chunk"], walk=settings["walk"])
 
     _forward_core.prefill_gate_settings = settings
     _forward_core.prefill_gate_control = watch
