@@ -45,9 +45,9 @@ def register() -> None:
     gdn_limit, gdn_chunk, gdn_walk = gdn.mode_from_env(), gdn.chunk_from_env(), gdn.walk_from_env()
     gdn_conv = gdn.conv_from_env()
     gdn_graphs = gdn_graph.mode_from_env()
-    gdn_graph.check_settings(gdn_graphs, gdn_limit, os.environ.get(gdn.CONV_ENV))
+    gdn_graph.check_settings(gdn_graphs, gdn_limit)
     if gdn_graphs:
-        gdn_conv = "ours"  # the graphs' convolution: the eager steps take the same one
+        gdn_conv = "ours"  # the graphs' convolution (vLLM's cannot be replayed): the eager steps take it too
     gc_log_s = stalls.threshold_from_env()
     warm = warmup.enabled_from_env()
     fast_launch = launch.enabled_from_env()  # read again where the kernel loads; refused here first

@@ -23,10 +23,12 @@ makes the GDN core replayable:
   whatever the step holds: the graph fixes the path at capture.
 
     PREFILL_GATE_GDN_GRAPH  off  vLLM's graphs (the default until it is measured on a GPU)
-                            on   the above; needs PREFILL_GATE_GDN_RECURRENT on, our
-                                 convolution (PREFILL_GATE_GDN_CONV unset or ours), vLLM's
+                            on   the above; needs PREFILL_GATE_GDN_RECURRENT on, vLLM's
                                  ``--compilation-config '{"cudagraph_mode": "FULL"}'`` and no
-                                 speculative decoding (with it, vLLM's graphs, logged)
+                                 speculative decoding (with it, vLLM's graphs); every step then
+                                 takes our convolution, whatever PREFILL_GATE_GDN_CONV says
+                                 (vLLM's sizes its launch on the host from each step's lengths,
+                                 which a graph cannot replay)
 
 Steps above the largest capture size run eagerly as before (the recurrence for short prompts
 under ``PREFILL_GATE_GDN_RECURRENT``'s limit, vLLM's chunked path for the rest); inside the
@@ -57,16 +59,10 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> bool:
     return raw == "on"
 
 
-def check_settings(graph: bool, limit: int, conv_env: str | None) -> None:
-    """Refuse a graph mode whose core could not be replayed: the recurrence off, or vLLM's
-    convolution (its grid is sized on the host from the step's chunk lists) asked for."""
-    if not graph:
-        return
-    if limit <= 0:
+def check_settings(graph: bool, limit: int) -> None:
+    """Refuse a graph mode whose core could not be replayed: the recurrence off."""
+    if graph and limit <= 0:
         raise GdnGraphError(f"{ENV}=on needs PREFILL_GATE_GDN_RECURRENT=on: the graphs replay the recurrent path")
-    if (conv_env or "").strip().lower() == "vllm":
-        raise GdnGraphError(f"{ENV}=on needs our convolution (PREFILL_GATE_GDN_CONV unset or ours): vLLM's sizes "
-                            "its launch on the host from each step's lengths, which a graph cannot replay")
 
 
 def buffers(max_seqs: int, device):

@@ -30,13 +30,10 @@ def test_the_setting_and_what_it_needs():
     for bad in ("1", "yes", "full"):
         with pytest.raises(gdn_graph.GdnGraphError, match=f"{gdn_graph.ENV}='{bad}': expected off or on"):
             gdn_graph.mode_from_env({gdn_graph.ENV: bad})
-    gdn_graph.check_settings(False, 0, "vllm")  # off: nothing needed
-    gdn_graph.check_settings(True, 512, None)
-    gdn_graph.check_settings(True, 512, "ours")
+    gdn_graph.check_settings(False, 0)  # off: nothing needed
+    gdn_graph.check_settings(True, 512)
     with pytest.raises(gdn_graph.GdnGraphError, match="needs PREFILL_GATE_GDN_RECURRENT=on"):
-        gdn_graph.check_settings(True, 0, None)
-    with pytest.raises(gdn_graph.GdnGraphError, match="needs our convolution"):
-        gdn_graph.check_settings(True, 512, " VLLM ")
+        gdn_graph.check_settings(True, 0)
 
 
 @pytest.fixture
@@ -69,9 +66,9 @@ def test_register_installs_the_builder_only_when_asked(gdn_backend, monkeypatch,
     assert "whole CUDA graphs for mixed steps" in caplog.text and "PREFILL_GATE_GDN_GRAPH=on" in caplog.text
     engine_patches.register()  # every vLLM process registers: one builder, not a subclass of ours
     assert gdn_backend.get_builder_cls() is builder
-    monkeypatch.setenv(gdn.CONV_ENV, "vllm")
-    with pytest.raises(gdn_graph.GdnGraphError, match="needs our convolution"):
-        engine_patches.register()
+    monkeypatch.setenv(gdn.CONV_ENV, "vllm")  # compose's default: the graphs need ours, and take it
+    engine_patches.register()
+    assert QwenGatedDeltaNetAttention._forward_core.prefill_gate_settings["conv"] == "ours"
     monkeypatch.delenv(gdn.CONV_ENV)
     monkeypatch.setenv(gdn.ENV, "off")
     with pytest.raises(gdn_graph.GdnGraphError, match="needs PREFILL_GATE_GDN_RECURRENT=on"):
