@@ -4,8 +4,8 @@ On the CPU: the setting and what it needs; vLLM's own GDN metadata builder, subc
 step a FULL graph's runner hands it (padded with sequences of no tokens in the null slot):
 the support it claims, the persistent buffers every graph step's metadata lands in, the steps
 it leaves alone; and the layer core on such a step against the float64 specification (Triton's
-interpreter). On a GPU (marked): the core captured in a CUDA graph and replayed for steps of
-other shapes gives exactly the eager core's outputs and states.
+interpreter). On a GPU (marked; passed on an H100 at 2ac2f9c): the core captured in a CUDA
+graph and replayed for steps of other shapes gives exactly the eager core's outputs and states.
 """
 
 from __future__ import annotations
