@@ -40,11 +40,13 @@ capture); it still changes the eager steps'.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Mapping
 
 ENV = "PREFILL_GATE_GDN_GRAPH"
 MARK = "prefill_gate_graph_seqs"  # on a step's GDN metadata: the padded sequence count its graph holds
+logger = logging.getLogger("vllm.prefill_gate")
 
 
 class GdnGraphError(ValueError):
@@ -119,14 +121,21 @@ def builder_class(base, always, full_mode):
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             self.prefill_gate_buffers = buffers(vllm_config.scheduler_config.max_num_seqs, device)
+            self.prefill_gate_said = False
 
         def graphs_whole_steps(self, num_tokens: int) -> bool:
             """Does a step of ``num_tokens`` (padded) replay a full graph with prompts in it?
-            (Read each step: vLLM resolves the graph mode after the builders exist.)"""
+            (Read each step: vLLM resolves the graph mode after the builders exist.) The first
+            time it cannot, because of the mode, says so once: the setting would do nothing."""
             config = self.compilation_config
             largest = config.max_cudagraph_capture_size
-            return (not self.use_spec_decode and config.cudagraph_mode.mixed_mode() == full_mode
-                    and largest is not None and num_tokens <= largest)
+            mixed = config.cudagraph_mode.mixed_mode()
+            if mixed != full_mode and not self.prefill_gate_said and not self.use_spec_decode:
+                self.prefill_gate_said = True
+                logger.warning("prefill-gate %s=on, but vLLM runs mixed steps as %s, not full graphs: start it with "
+                               "--compilation-config '{\"cudagraph_mode\": \"FULL\"}' (another attention backend "
+                               "that claims less than ALWAYS also turns FULL down)", ENV, getattr(mixed, "name", mixed))
+            return (not self.use_spec_decode and mixed == full_mode and largest is not None and num_tokens <= largest)
 
         def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
                   num_decode_draft_tokens_cpu=None, fast_build=False):

@@ -150,12 +150,16 @@ def test_the_builder_pads_every_graph_step_into_the_same_buffers(tiny_model):
     assert not hasattr(eager, gdn_graph.MARK) and eager.non_spec_query_start_loc.data_ptr() != starts.data_ptr()
 
 
-def test_the_builder_leaves_vllms_graphs_alone_where_mixed_steps_are_not_full_graphs(tiny_model):
+def test_the_builder_leaves_vllms_graphs_alone_where_mixed_steps_are_not_full_graphs(tiny_model, caplog):
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     _, builder, _ = make_builder(tiny_model, mode="FULL_AND_PIECEWISE")  # vLLM's default: pieces for mixed steps
-    step = builder.build(0, padded_step([1, 9], [40, 9], [5, 3], pad_to=2, tokens=10))
+    with caplog.at_level(logging.WARNING, logger="vllm.prefill_gate"):
+        step = builder.build(0, padded_step([1, 9], [40, 9], [5, 3], pad_to=2, tokens=10))
+        builder.build(0, padded_step([1, 9], [40, 9], [5, 3], pad_to=2, tokens=10))
     assert not hasattr(step, gdn_graph.MARK)
+    said = [r.getMessage() for r in caplog.records if gdn_graph.ENV in r.getMessage()]
+    assert len(said) == 1 and "PIECEWISE, not full graphs" in said[0] and '"cudagraph_mode": "FULL"' in said[0]
     cls, builder, cfg = make_builder(tiny_model, spec=2)  # speculative decoding: vLLM's graphs
     assert cls.get_cudagraph_support(cfg, None) == GDNAttentionMetadataBuilder.get_cudagraph_support(cfg, None)
     assert not builder.graphs_whole_steps(8)
