@@ -41,7 +41,13 @@ def test_steps_group_by_size_with_the_async_lag(tmp_path, capsys):
         f.write("\n".join(json.dumps(x) for x in trace(steps)))
     assert step_sizes.main([str(path), "--json", str(tmp_path / "out.json")]) == 0
     assert "320" in capsys.readouterr().out
-    assert json.loads((tmp_path / "out.json").read_text())["rows"][1]["graph_size"] == 320
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["rows"][1]["graph_size"] == 320
+    assert out["git_commit"] and "run_git_commit" not in out  # the analysis's commit; no run's JSON beside
+    (tmp_path / "defaults.json").write_text(json.dumps({"git_commit": "abc123", "git_dirty": False}))
+    assert step_sizes.main([str(path), "--json", str(tmp_path / "out.json")]) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert (out["run_git_commit"], out["run_git_dirty"]) == ("abc123", False)
 
 
 def test_old_traces_need_the_sizes(tmp_path, capsys):

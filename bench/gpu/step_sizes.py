@@ -24,6 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from prefill_gate.proxy.bench.report import environment  # noqa: E402
+
 IDLE_S = 0.2
 
 
@@ -91,8 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         host = "-" if r["host_median_ms"] is None else r["host_median_ms"]
         print(f"{size:>10}  {r['steps']:>6}  {r['median_ms']:>9}  {r['max_ms']:>7}  {line:>12}  {host:>7}")
     if args.json:
-        args.json.write_text(json.dumps({"trace": str(args.trace), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"bench": "step_sizes", "trace": str(args.trace), **run_commit(args.trace),
+                                         "rows": rows, **environment()}, indent=1))
     return 0
+
+
+def run_commit(trace: Path) -> dict:
+    """The commit the traced server ran (``defaults.json`` beside the trace, as the GPU scripts
+    leave it), beside the analysing checkout's own ``git_commit``."""
+    try:
+        run = json.loads((trace.parent / "defaults.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"run_git_commit": run.get("git_commit"), "run_git_dirty": run.get("git_dirty")}
 
 
 if __name__ == "__main__":
