@@ -16,7 +16,9 @@ as vLLM's), then ``prefill_gate.kernels.gated_delta.gated_delta_recurrent`` for 
 prompts together: one launch that reads q, k, v in place from the convolution's output, starts
 each prompt from its cached state or from zero, walks the tokens in float32 and stores each
 final state once, writing straight into the layer's output. Larger steps, speculative decoding
-and decode-only steps take vLLM's path unchanged.
+and decode-only steps take vLLM's path unchanged, except with PREFILL_GATE_GDN_GRAPH=on
+(``gdn_graph``), where every step a whole graph replays takes this path, decode-only and past
+the limit included (the graph fixed it at capture).
 
     PREFILL_GATE_GDN_RECURRENT  off   vLLM's path for every step (the plugin's default: it
                                       changes prompts' rounding; the stack turns it on)
