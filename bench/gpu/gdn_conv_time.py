@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_timing import time_ways  # noqa: E402
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
 
@@ -90,38 +91,9 @@ def main() -> int:
 
     ways = {"vLLM's causal_conv1d_fn": vllms, **{name: ours(launcher) for name, launcher in launchers.items()}}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in ways.values():  # warm: compiled, kept
-        state = state0.clone()
-        for _ in range(3):
-            fn(state)
-    sync()
-    host = {name: [] for name in ways}
-    for _ in range(args.repeats):
-        for name, fn in ways.items():
-            state = state0.clone()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn(state)
-            host[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-            sync()
-    rows, bits = [], {}
-    for name, fn in ways.items():
-        state = state0.clone()
-        out = fn(state)
-        sync()
-        bits[name] = (out.clone(), state.clone())
-        gpu_us = None
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                fn(state)
-            end.record()
-            sync()
-            gpu_us = round(start.elapsed_time(end) / 20 * 1e3, 1)
-        rows.append({"conv": name, "host_us": round(min(host[name]), 1), "host_us_max": round(max(host[name]), 1),
-                     "gpu_us": gpu_us})
+    host, bits, gpu_us = time_ways(ways, state0, args.calls, args.repeats, sync, cuda=device.type == "cuda")
+    rows = [{"conv": name, "host_us": round(min(host[name]), 1), "host_us_max": round(max(host[name]), 1),
+             "gpu_us": gpu_us[name]} for name in ways]
     theirs = bits["vLLM's causal_conv1d_fn"]
     same = all(torch.equal(o, theirs[0]) and torch.equal(s, theirs[1]) for o, s in bits.values())
     for row in rows:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_timing import time_ways  # noqa: E402
 from prefill_gate.proxy.bench.report import environment, table  # noqa: E402
 
 
@@ -59,43 +60,17 @@ def main() -> int:
     launchers = {"fast launch": Launcher(gated_delta._gated_delta_kernel, enabled=True),
                  "Triton's launch": Launcher(gated_delta._gated_delta_kernel, enabled=False)}
 
-    def call(state):
-        gdn._recurrence(layer, conv, a, b, state, out, starts, slots, has_initial, walk=(8, 1))
-
-    host = {name: [] for name in launchers}
-    bits = {}
-    for name, launcher in launchers.items():  # warm: compiled, kept
-        gated_delta._launch = launcher
-        state = state0.clone()
-        for _ in range(3):
-            call(state)
-        torch.cuda.synchronize()
-    for _ in range(args.repeats):
-        for name, launcher in launchers.items():
+    def way(launcher):
+        def call(state):
             gated_delta._launch = launcher
-            state = state0.clone()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                call(state)
-            host[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-            torch.cuda.synchronize()
-    rows = []
-    for name, launcher in launchers.items():
-        gated_delta._launch = launcher
-        state = state0.clone()
-        call(state)
-        torch.cuda.synchronize()
-        bits[name] = (out.clone(), state.clone())
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            call(state)
-        end.record()
-        torch.cuda.synchronize()
-        rows.append({"launch": name, "host_us": round(min(host[name]), 1),
-                     "host_us_max": round(max(host[name]), 1),
-                     "gpu_us": round(start.elapsed_time(end) / 20 * 1e3, 1)})
+            gdn._recurrence(layer, conv, a, b, state, out, starts, slots, has_initial, walk=(8, 1))
+            return out
+        return call
+
+    ways = {name: way(launcher) for name, launcher in launchers.items()}
+    host, bits, gpu_us = time_ways(ways, state0, args.calls, args.repeats, torch.cuda.synchronize, cuda=True)
+    rows = [{"launch": name, "host_us": round(min(host[name]), 1), "host_us_max": round(max(host[name]), 1),
+             "gpu_us": gpu_us[name]} for name in ways]
     (fo, fs), (so, ss) = bits["fast launch"], bits["Triton's launch"]
     same = bool(torch.equal(fo, so) and torch.equal(fs, ss))
     for row in rows:
