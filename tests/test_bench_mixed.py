@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 
+import httpx
 import pytest
 
 from prefill_gate.proxy.bench.mixed import (
@@ -18,13 +20,28 @@ from prefill_gate.proxy.bench.mixed import (
     stretched,
     summarize,
 )
-from prefill_gate.proxy.bench.overlap import Trace
+from prefill_gate.proxy.bench.overlap import Trace, stream_chat
 
 
 def rec(cls="interactive", sent=0.0, tokens=(), end=None, error=None, user=0):
     t = Trace(sent=sent, tokens=list(tokens), end=end if end is not None else (tokens[-1] if tokens else 0.0),
               error=error)
     return Record(cls, user if cls == "interactive" else -1, len(tokens), t)
+
+
+async def test_a_stream_is_timed_by_its_steps_not_its_text():
+    """Every chunk vLLM sends for a step is a token the client stamps, "content": "" too
+    (a special token skipped, half a character): a run of them is not a gap."""
+    deltas = [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": ""}, {"content": ""},
+              {"content": "b"}]
+    events = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode(),
+                                                                   headers={"content-type": "text/event-stream"}))
+    async with httpx.AsyncClient(transport=transport) as client:
+        trace = await stream_chat(client, "http://up", "m", "hi", 5, Trace())
+    assert trace.error is None and len(trace.tokens) == 5  # not the role header; 5 steps, 2 of them empty
 
 
 # ------------------------------------------------------------------ the schedule

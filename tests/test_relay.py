@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prefill_gate.proxy.relay import SSESplitter, StreamObserver, event_json, is_content
+from prefill_gate.proxy.relay import SSESplitter, StreamObserver, event_json, is_content, is_token
 
 
 def ev(obj):
@@ -282,3 +282,16 @@ def test_the_fast_path_takes_runs_of_content_chunks_whole():
     read = ev(chunk("b")) + ev(chunk("c")) + ev(chunk("d"))
     assert obs.take(read) == read and obs.take(ev(chunk("e"))) == ev(chunk("e"))
     assert fed == [] and calls == [3, 1] and obs.tokens == 5
+
+
+def test_is_token_counts_every_generated_step_empty_text_included():
+    """vLLM streams one chunk a step; a token that decodes to nothing (a skipped special
+    token under ignore_eos, half a character) is ``"content": ""``. A client timing gaps
+    that counted text alone read a run of those as a stall (a 27B dummy model's 899 ms
+    "gap" at run 27395ae, steps of 40 ms all along)."""
+    assert is_token(chunk("")) and not is_content(chunk(""))
+    assert is_token(chunk("x")) and is_token(chunk(None, finish="length"))
+    assert is_token({"choices": [{"text": ""}]}) and is_token({"choices": [{"delta": {}, "token_ids": [7]}]})
+    assert not is_token(chunk("", role="assistant"))  # the role header: no step
+    assert not is_token({"choices": [], "usage": {"completion_tokens": 3}})
+    assert not is_token({"choices": [{"delta": {}}]}) and not is_token({"choices": ["x"]}) and not is_token(None)

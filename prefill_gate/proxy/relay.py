@@ -122,6 +122,28 @@ def is_content(obj: Any) -> bool:
     return False
 
 
+def is_token(obj: Any) -> bool:
+    """A chunk that reports a generated step, whether or not its text is empty: vLLM streams
+    one chunk a step, and a token that decodes to nothing (a special token it skips, such as
+    an end-of-sequence token under ``ignore_eos``, or bytes of a character not yet complete)
+    comes as ``"content": ""``. Everything ``is_content`` counts, plus those; not the role
+    header (a delta with ``"role"`` and no text) nor a usage-only chunk. A client timing
+    streams counts these: counting text alone would read a run of empty tokens as a stall."""
+    if is_content(obj):
+        return True
+    if not isinstance(obj, dict):
+        return False
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if isinstance(choice.get("text"), str) or choice.get("token_ids"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and "role" not in delta and isinstance(delta.get("content"), str):
+            return True
+    return False
+
+
 def plain_events(data: bytes) -> int:
     """How many content events ``data`` is, where it is nothing else: one-line ``data: {``
     events, each ending in its blank line, with nothing ``StreamObserver.filter`` looks for

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..relay import is_content
+from ..relay import is_token
 from .overlap import run_overlap
 from .report import OVERLAP_COLUMNS, percentile, table, write_json
 from .services import Service
@@ -79,10 +79,11 @@ async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict], t
             if not line.startswith("data:") or line.startswith("data: [DONE]"):
                 continue
             obj = json.loads(line[5:])
-            if is_content(obj):
+            if is_token(obj):
                 if not turn.first:
                     turn.first = time.monotonic()
-                parts.append(obj["choices"][0]["delta"].get("content") or "")
+                choice = next(c for c in obj["choices"] if isinstance(c, dict))
+                parts.append((choice.get("delta") or {}).get("content") or "")
     turn.ttft = turn.first - turn.sent
     turn.reply = "".join(parts)
 
@@ -109,7 +110,7 @@ async def other_user(url: str, stream: Stream, seed: int) -> None:
             async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data:") and not line.startswith("data: [DONE]") \
-                            and is_content(json.loads(line[5:])):
+                            and is_token(json.loads(line[5:])):
                         stream.tokens.append(time.monotonic())
             await asyncio.sleep(1.0)  # think time before the next question
 

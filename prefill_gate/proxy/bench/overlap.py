@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from ..relay import is_content  # the proxy's own definition: both count the same chunks
+from ..relay import is_token  # every generated step, empty text included (as the proxy's observer counts)
 from .client_gc import ClientCollections
 from .report import percentile
 
@@ -79,7 +79,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, cont
                 obj = json.loads(line[5:])
                 if "error" in obj:
                     trace.error = str(obj["error"])[:200]
-                elif is_content(obj):
+                elif is_token(obj):
                     trace.tokens.append(time.monotonic())
                     if on_token is not None:
                         on_token(len(trace.tokens))
