@@ -64,7 +64,8 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> bool:
 def check_settings(graph: bool, limit: int) -> None:
     """Refuse a graph mode whose core could not be replayed: the recurrence off."""
     if graph and limit <= 0:
-        raise GdnGraphError(f"{ENV}=on needs PREFILL_GATE_GDN_RECURRENT=on: the graphs replay the recurrent path")
+        raise GdnGraphError(f"{ENV}=on needs PREFILL_GATE_GDN_RECURRENT=on: the graphs replay the recurrent path "
+                            f"(to run without it, set {ENV}=off as well; compose: GDN_GRAPH=off)")
 
 
 def buffers(max_seqs: int, device):

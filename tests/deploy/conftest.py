@@ -37,3 +37,16 @@ def tool(name: str) -> str:
     if os.environ.get("PREFILL_GATE_REQUIRE_DEPLOY_TOOLS") == "1":
         pytest.fail(f"{name} is not installed (scripts/test.sh installs it)")
     pytest.skip(f"{name} is not installed")
+
+
+def engine_settings(env: dict[str, str]) -> dict:
+    """What the plugin makes of a vLLM container's environment, read by its own readers and
+    checks (the ones ``engine_patches.register()`` runs at start): a combination it would refuse
+    raises here, as the engine would refuse to start."""
+    from prefill_gate.engine_patches import gdn, gdn_graph
+    from prefill_gate.engine_patches.config import PacingConfig
+
+    limit, graph = gdn.mode_from_env(env), gdn_graph.mode_from_env(env)
+    gdn_graph.check_settings(graph, limit)
+    return {"pacing": PacingConfig.from_env(env).mode, "gdn_limit": limit, "gdn_graph": graph,
+            "gdn_conv": gdn.conv_from_env(env), "gdn_walk": gdn.walk_from_env(env)}

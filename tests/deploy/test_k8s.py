@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from prefill_gate.proxy.settings import Settings
-from tests.deploy.conftest import ROOT
+from tests.deploy.conftest import ROOT, engine_settings
 
 if os.environ.get("PREFILL_GATE_REQUIRE_DEPLOY_TOOLS") == "1":
     import kubernetes_validate as kv  # scripts/test.sh installs it: fail loudly
@@ -216,16 +216,22 @@ def test_the_podmonitor_scrapes_what_the_pod_serves():
 
 def test_the_base_paces_and_the_stock_overlay_does_not():
     """The stack's default is step pacing (adaptive 15 ms, short prompts first, full CUDA
-    graphs) and the GDN hybrids' recurrent short-prompt steps; the stock overlay turns the
-    engine patches off (pacing and the GDN path) and nothing else."""
+    graphs) and the GDN hybrids' recurrent short-prompt steps in whole graphs; the stock
+    overlay turns the engine patches off (pacing and the GDN path) and nothing else, in a
+    combination the plugin accepts."""
     env = {e["name"]: e["value"] for e in containers(base())["vllm"]["env"]}
     assert env["PREFILL_GATE_PACING"] == "adaptive" and env["PREFILL_GATE_PACING_TARGET_ITL_MS"] == "15"
     assert env["PREFILL_GATE_GDN_RECURRENT"] == "on" and env["PREFILL_GATE_GDN_WALK"] == "8x1"
+    assert env["PREFILL_GATE_GDN_GRAPH"] == "on"
     assert json.loads(flag(containers(base())["vllm"]["args"], "--compilation-config")) == {"cudagraph_mode": "FULL"}
     a, b = containers(base()), containers(stock())
     env_b = {e["name"]: e["value"] for e in b["vllm"]["env"]}
-    assert env_b == {**env, "PREFILL_GATE_PACING": "off", "PREFILL_GATE_GDN_RECURRENT": "off"}
+    assert env_b == {**env, "PREFILL_GATE_PACING": "off", "PREFILL_GATE_GDN_RECURRENT": "off",
+                     "PREFILL_GATE_GDN_GRAPH": "off"}
     assert a["vllm"]["args"] == b["vllm"]["args"] and a["prefill-gate"] == b["prefill-gate"]
+    assert engine_settings(env) == {"pacing": "adaptive", "gdn_limit": 512, "gdn_graph": True, "gdn_conv": "vllm",
+                                    "gdn_walk": (8, 1)}
+    assert engine_settings(env_b)["pacing"] == "off" and not engine_settings(env_b)["gdn_graph"]
 
 
 def test_the_hybrid_overlay_serves_a_hybrid_as_measured():
@@ -235,8 +241,9 @@ def test_the_hybrid_overlay_serves_a_hybrid_as_measured():
     env_a = {e["name"]: e["value"] for e in a["vllm"]["env"]}
     env_h = {e["name"]: e["value"] for e in h["vllm"]["env"]}
     assert env_h == {**env_a, "PREFILL_GATE_PACING_TARGET_ITL_MS": "44", "PREFILL_GATE_PACING_SUB_BLOCK": "1"}
+    assert engine_settings(env_h)["gdn_graph"]  # whole graphs for its mixed steps: FULL below
     args = h["vllm"]["args"]
-    assert json.loads(flag(args, "--compilation-config")) == {}
+    assert json.loads(flag(args, "--compilation-config")) == {"cudagraph_mode": "FULL"}
     assert flag(args, "--max-num-batched-tokens") == "2048" and flag(args, "--max-num-seqs") == "64"
     assert "--enable-prefix-caching" in args and len(args) == len(a["vllm"]["args"]) + 3
     assert flag(args, "--scheduler-cls") == flag(a["vllm"]["args"], "--scheduler-cls")

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy.conftest import ROOT, compose_binary, tool
+from tests.deploy.conftest import ROOT, compose_binary, engine_settings, tool
 
 DOCKERFILES = ["deploy/proxy.Dockerfile", "deploy/vllm.Dockerfile", "deploy/vllm-sm70.Dockerfile"]
 
@@ -50,6 +50,7 @@ def test_compose_resolves_settings_from_env_file():
     assert command[command.index("--scheduler-cls") + 1] == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
     assert json.loads(command[command.index("--compilation-config") + 1]) == {"cudagraph_mode": "FULL"}
     assert vllm["environment"]["PREFILL_GATE_PACING"] == "adaptive"  # the stack's default: step pacing
+    assert engine_settings(vllm["environment"])["gdn_graph"]  # a hybrid's mixed steps in whole graphs, accepted
     assert proxy["environment"]["PREFILL_GATE_SLICING"] == "auto"
     for name, service in config["services"].items():
         image = service["image"]
@@ -71,7 +72,8 @@ def test_the_hybrid_env_file_serves_a_hybrid_as_measured():
     assert env["PREFILL_GATE_PACING_CAP_TOKENS"] == "256"  # a host-bound engine's cap: the 256-token graph
     assert command[command.index("--max-num-batched-tokens") + 1] == "2048" and "--enable-prefix-caching" in command
     assert command[command.index("--scheduler-cls") + 1] == "prefill_gate.engine_patches.pacing.PacedAsyncScheduler"
-    assert json.loads(command[command.index("--compilation-config") + 1]) == {}
+    assert json.loads(command[command.index("--compilation-config") + 1]) == {"cudagraph_mode": "FULL"}
+    assert env["PREFILL_GATE_GDN_GRAPH"] == "on" and engine_settings(env)["gdn_graph"]  # its mixed steps in whole graphs
     assert config["services"]["proxy"]["environment"]["PREFILL_GATE_SLICING"] == "auto"
 
 
