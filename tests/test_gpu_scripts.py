@@ -45,7 +45,8 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         assert all(set(parts) == {"short"} for parts in merged["rows"].values())
         assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
         assert "x step p50" in text and "stopping it" not in text
-        assert (tmp_path / "mark").read_text().startswith("defaults hybrid ")
+        mark = (tmp_path / "mark").read_text()
+        assert mark.startswith("defaults hybrid ") and "PREFILL_GATE_GDN_GRAPH=on" in mark  # the stack as shipped
         probe = tmp_path / "hybrid" / "work" / "host-probe.jsonl"  # the host's speed beside the run
         assert probe.read_text().count("\n") >= 5 and '"samples":' in text
         left = subprocess.run(["pgrep", "-f", str(probe)], capture_output=True, text=True)

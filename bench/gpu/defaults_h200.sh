@@ -45,8 +45,9 @@
 #   On a card under 120 GiB (an H100) one 27B server at a time (ONE_SERVER, below): ROWS=direct, then ROWS=stack.
 #   SUBBLOCK=1: after the rows, sub-block pacing's answers on the paced server (below).
 #   GREEDY_SAVE=FILE, GREEDY_AGAINST=FILE: after the rows, the paced server's greedy answers saved, or
-#   compared with saved ones (below). PACED_EXTRA_ENV=PREFILL_GATE_GDN_GRAPH=on: whole graphs for
-#   mixed steps (the server then runs cudagraph_mode FULL), with WORK elsewhere.
+#   compared with saved ones (below). GDN_GRAPH (default on, as the stack ships it): whole graphs
+#   for mixed steps (the server then runs cudagraph_mode FULL); GDN_GRAPH=off, with WORK
+#   elsewhere: the stack without them.
 #   PROFILE=1: the paced server armed with vLLM's torch profiler, and after the rows a profile of
 #   short prompts beside 4 streams on it, summarised per step (below).
 #   CONTROL='KEY=VALUE ...' (ROWS=stack): the parts on the running paced server with these engine-patch
@@ -78,13 +79,17 @@ case $CLASS in
     ENGINE_ARGS=(--language-model-only --kv-cache-dtype fp8 --enable-prompt-tokens-details --max-num-seqs 64
                  --additional-config '{"gdn_prefill_backend": "triton"}' --enable-prefix-caching
                  --max-num-batched-tokens 2048)
+    [ "${GDN_LIMIT:-on}" = off ] && GDN_GRAPH=${GDN_GRAPH:-off}  # the graphs replay the recurrence: off without it
     PACED_ENV=(PREFILL_GATE_PACING_TARGET_ITL_MS=${TARGET_MS:-44} PREFILL_GATE_PACING_SUB_BLOCK=${SUB_BLOCK:-1}
                PREFILL_GATE_GDN_RECURRENT=${GDN_LIMIT:-on} PREFILL_GATE_GDN_CHUNK=${GDN_CHUNK:-off}
-               PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} ${PACED_EXTRA_ENV:-})
+               PREFILL_GATE_GDN_WALK=${GDN_WALK:-8x1} PREFILL_GATE_GDN_GRAPH=${GDN_GRAPH:-on} ${PACED_EXTRA_ENV:-})
     PACED_ARGS=()
-    # PREFILL_GATE_GDN_GRAPH=on (engine_patches.gdn_graph): whole graphs for mixed steps, which
-    # vLLM builds only with cudagraph_mode FULL (pieces for mixed steps otherwise)
-    [[ "${PACED_EXTRA_ENV:-}" == *GDN_GRAPH=on* ]] && PACED_ARGS=(--compilation-config '{"cudagraph_mode":"FULL"}')
+    # PREFILL_GATE_GDN_GRAPH=on (engine_patches.gdn_graph, the stack's default since run-27395ae;
+    # GDN_GRAPH=off: vLLM's own graph mode, as the stack ran before): whole graphs for mixed
+    # steps, which vLLM builds only with cudagraph_mode FULL (pieces for mixed steps otherwise).
+    # The last setting wins, PACED_EXTRA_ENV's included.
+    graph_setting=$(printf '%s\n' "${PACED_ENV[@]}" | grep '^PREFILL_GATE_GDN_GRAPH=' | tail -1)
+    [ "$graph_setting" = PREFILL_GATE_GDN_GRAPH=on ] && PACED_ARGS=(--compilation-config '{"cudagraph_mode":"FULL"}')
     # the paced simulator as the stack: graphs to 512 and the GDN path (its own preset), steps of the
     # 320 tokens its model fits in 44 ms (14.1 + 1 + 0.09 a token), as adaptive pacing at TARGET_MS would
     SIM_ARGS=(--preset h200-27b-hybrid) SIM_PACED_ARGS=(--preset h200-27b-hybrid-stack --pacing-cap 320 --pacing-sub-block) ;;
