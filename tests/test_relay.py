@@ -188,6 +188,21 @@ def test_observer_reports_one_reads_chunks_in_one_call():
     assert calls[-1] == (0.0, 1) and first.tokens == 2
 
 
+def test_the_first_token_may_be_empty_text():
+    """A stream is decoding from its first step, whatever that token's text: an empty first
+    token (a skipped special token) starts it, the role header alone does not."""
+    now = [0.0]
+    firsts = []
+    obs = StreamObserver(lambda: firsts.append(now[0]), lambda gap, n: None, clock=lambda: now[0])
+    obs.filter([ev(chunk("", role="assistant"))])
+    assert firsts == [] and obs.first_at is None
+    now[0] = 0.5
+    obs.filter([ev(chunk(""))])
+    now[0] = 0.6
+    obs.filter([ev(chunk("a"))])
+    assert firsts == [0.5] and obs.tokens == 2
+
+
 # ------------------------------------------------- the fast paths equal the general ones
 from hypothesis import given, settings, strategies as st  # noqa: E402
 

@@ -166,7 +166,7 @@ def plain_events(data: bytes) -> int:
 
 @dataclass
 class StreamObserver:
-    """Watches the events of one stream: first content (-> decoding), ITL, usage, errors.
+    """Watches the events of one stream: first token (-> decoding), ITL, usage, errors.
 
     Per read, not per token: ``filter`` takes the events of one upstream read, reads the
     clock once and reports its content chunks in one call, ``on_tokens(gap, n)``: ``n``
@@ -228,7 +228,7 @@ class StreamObserver:
                         continue
             if self.first_at is None:
                 obj = event_json(ev) if obj is None else obj
-                if is_content(obj):
+                if is_token(obj):  # the first step, its text empty or not (after it every chunk counts)
                     self.first_at = self.last_at = now
                     self.tokens = 1
                     self.on_first_content()
