@@ -314,6 +314,10 @@ grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle coll
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the
 # proxies, each with its wall-clock end: beside each phase's t0_unix + worst_gaps.
 grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$OUT/gc-pauses.log"
+# Kernels vLLM's JIT monitor saw compile while serving (each a one-time host stall of tens to
+# hundreds of ms: a step the warm-up did not cover; at 27395ae both hybrid stacks had one
+# ~70 ms host step at the same point of steady load, unexplained without these lines).
+grep -H "JIT compilation during inference" "$RES"/server-*.log 2>/dev/null | tail -200 > "$OUT/jit-in-service.log"
 [ -f "$RES/paced-trace.jsonl" ] && gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
 tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl --exclude=prof . 2>/dev/null
 say "done"
