@@ -28,6 +28,7 @@ def test_a_stall_is_placed_beside_the_collection_and_the_long_step_inside_it(tmp
         f"{T0 + 50.0:.3f} (unix s)\n")
     trace = [{"unix": T0 + t, "decode_rows": 12, "chunks": [[0, n]], "predicted_s": 0.012}
              for t, n in [(20.110, 400), (20.1215, 480), (20.155, 0), (20.162, 0), (27.60, 256), (27.612, 256)]]
+    trace[1].update(t=500.0, launched=500.0301)  # its host time, schedule to launch: 30.1 ms
     with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
         f.write("\n".join(json.dumps(r) for r in trace) + "\n")
 
@@ -36,7 +37,8 @@ def test_a_stall_is_placed_beside_the_collection_and_the_long_step_inside_it(tmp
     out = capsys.readouterr().out
     first, second = out.split("stall at ")[1:]
     assert "40.2 ms, 3 stream(s) [2, 9, 10]" in first and "EngineCore_DP0 (pid 77) 31.0 ms" in first
-    assert "lasting 33.5 ms: 12 decode rows, 480 prefill tokens, predicted 12.0 ms" in first
+    assert "lasting 33.5 ms: 12 decode rows, 480 prefill tokens, predicted 12.0 ms, host 30.1 ms" in first
+    assert " 0 prefill tokens, predicted 12.0 ms\n" in first  # no launch recorded: no host time
     assert first.count("  step at ") == 3  # the one it began in, and the two within it
     assert "event loop" not in out  # the proxy's collection was elsewhere
     assert "1 stream(s) [0]" in second and "collection" not in second

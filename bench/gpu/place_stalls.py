@@ -102,9 +102,17 @@ def place(stall: dict, gcs: list[tuple[float, float, str]], trace: list[dict]) -
         "steps": [{"at_ms": round((r["unix"] - lo) * 1e3, 1),
                    "lasted_ms": None if r["lasted_s"] is None else round(r["lasted_s"] * 1e3, 1),
                    "decode_rows": r.get("decode_rows"), "prefill_tokens": sum(n for _, n in r.get("chunks", [])),
-                   "predicted_ms": None if r.get("predicted_s") is None else round(r["predicted_s"] * 1e3, 1)}
+                   "predicted_ms": None if r.get("predicted_s") is None else round(r["predicted_s"] * 1e3, 1),
+                   "host_ms": _host_ms(r)}
                   for r in trace[first:] if r["unix"] < hi],
     }
+
+
+def _host_ms(record: dict) -> float | None:
+    """The engine's host time for a step: from its schedule (``t``) to its launch, on the
+    engine's clock; None in traces from before ``launched`` was recorded."""
+    t, launched = record.get("t"), record.get("launched")
+    return None if t is None or launched is None else round((launched - t) * 1e3, 1)
 
 
 def _read(path: Path) -> list[str]:
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for st in s["steps"]:
             lasted = "to the trace's end" if st["lasted_ms"] is None else f"lasting {st['lasted_ms']} ms"
             print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
-                  f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms")
+                  f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms"
+                  + ("" if st["host_ms"] is None else f", host {st['host_ms']} ms"))
         for pr in probe_near(s, probe):
             print(f"  host probe at {pr['at_ms']:+.1f} ms: {pr['work_us']:.0f} us, {pr['x_median']:.2f}x its median"
                   + (f", {pr['steal']:.0%} stolen" if pr.get("steal") else ""))
