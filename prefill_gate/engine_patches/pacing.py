@@ -373,12 +373,13 @@ class _PacingMixin:
         if config.mode == "adaptive" and self._graph_sizes and piecewise and self.has_mamba_layers:
             # vLLM 0.26's Mamba and GDN metadata builders take full graphs for uniform batches
             # only, and it resolves FULL to FULL_AND_PIECEWISE for them: advice to ask for FULL
-            # would change nothing here.
+            # alone would change nothing here (gdn_graph's builder claims more: FULL stays).
             logger.warning(
                 "prefill-gate adaptive pacing on a model with recurrent (Mamba or Gated DeltaNet) "
                 "layers: vLLM graphs their steps whole only where every request decodes, so mixed "
-                "steps replay piecewise whatever cudagraph_mode asks; their time follows the host "
-                "CPU and a step can pass the target (docs/results/hybrid.md)"
+                "steps replay piecewise; their time follows the host CPU and a step can pass the "
+                "target (on a Gated DeltaNet hybrid PREFILL_GATE_GDN_GRAPH=on with cudagraph_mode "
+                "FULL graphs them whole: docs/engine-patches.md)"
             )
         elif config.mode == "adaptive" and self._graph_sizes and piecewise:
             logger.warning(

@@ -339,6 +339,7 @@ def test_adaptive_on_a_hybrid_says_what_it_is_without_asking_for_full_graphs(gra
         build(PacedScheduler, tiny_model, graph_sizes=DEFAULT_GRAPH_SIZES, graph_mode=graphs, hybrid_align=True,
               block_size=64, enable_prefix_caching=True)
     assert "recurrent (Mamba or Gated DeltaNet) layers" in caplog.text and "cudagraph_mode\":" not in caplog.text
+    assert "PREFILL_GATE_GDN_GRAPH=on" in caplog.text  # what does graph a GDN hybrid's mixed steps whole
 
 
 @pytest.mark.parametrize(
