@@ -284,6 +284,7 @@ fi
 if [ -n "${GREEDY_SAVE:-}${GREEDY_AGAINST:-}" ] && [ "${DRY_RUN:-0}" != 1 ] && up $PACED; then
   if [ -n "${GREEDY_SAVE:-}" ]; then
     python3 bench/gpu/greedy_compare.py "http://127.0.0.1:$PACED" --save "$GREEDY_SAVE" 2>&1 | tail -2
+    cp "$GREEDY_SAVE" "$RES/greedy-answers.json" 2>/dev/null  # the answers themselves, in the parts tarball
   else
     python3 bench/gpu/greedy_compare.py "http://127.0.0.1:$PACED" --against "$GREEDY_AGAINST" \
       --json "$RES/greedy.json" 2>&1 | tail -2
