@@ -73,3 +73,29 @@ def test_host_time_from_launched(capsys, tmp_path):
     assert step_sizes.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "host ms" in out and "50.0" in out
+
+
+def test_host_time_during_a_part(tmp_path, capsys):
+    """``--during steady``: the host time of the steps scheduled while the steady part ran its
+    load (``defaults.json`` beside the trace), mixed and decode-only apart; steps outside it
+    and steps without ``launched`` left out."""
+    lines = []
+    for i in range(40):
+        unix = 1000.0 + i
+        line = {"t": float(i), "unix": unix, "decode_rows": 4, "chunks": [[0, 200]] if i % 2 else [], "graph_size": 256}
+        if i != 21:
+            line["launched"] = line["t"] + (0.030 if i % 2 else 0.003) + (0.050 if i == 25 else 0.0)
+        lines.append(line)
+    path = tmp_path / "paced-trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert step_sizes.main([str(path), "--during", "steady"]) == 2  # no defaults.json beside it
+    assert "no stack steady part" in capsys.readouterr().err
+    part = {"mixed": {"t0_unix": 1010.0}, "shape": {"duration": 20.0}}
+    (tmp_path / "defaults.json").write_text(json.dumps({"rows": {"stack": {"steady": part}}, "git_commit": "abc"}))
+    assert step_sizes.main([str(path), "--during", "steady", "--json", str(tmp_path / "out.json")]) == 0
+    during = json.loads((tmp_path / "out.json").read_text())["during"]
+    # steps 10..30: mixed 11, 13, ..., 29 (10, step 21 without launched: 9), decode 10, 12, ..., 30 (11)
+    assert during["mixed"]["steps"] == 9 and during["decode"]["steps"] == 11
+    assert during["mixed"]["host_ms_p50"] == 30.0 and during["mixed"]["host_ms_max"] == 80.0
+    assert during["decode"]["host_ms_max"] == 3.0
+    assert "mixed steps 9, host ms p50 / p90 / p99 / max 30.0" in capsys.readouterr().out

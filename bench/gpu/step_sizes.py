@@ -2,6 +2,7 @@
 fitted line's prediction, from its step trace (PREFILL_GATE_PACING_TRACE_FILE).
 
     python3 bench/gpu/step_sizes.py OUT/paced-trace.jsonl.gz [--sync] [--json OUT/step-sizes.json]
+    python3 bench/gpu/step_sizes.py OUT/paced-trace.jsonl.gz --during steady   # + host ms under steady load
 
 The diagnosis that found the 27B hybrid's 320-token steps 9 ms dearer than the line on an H100
 (bench/results/hybrid/h100/run-33e8a15/). A step's duration is the interval between schedule
@@ -12,6 +13,9 @@ the sizes from ``--sizes`` (comma-separated capture sizes). Where the trace has 
 (traces since pacing stamps it), ``host ms`` is the median time the engine's host spent on a step
 until its forward pass was launched (``launched - t``): where it reaches the step's measured
 time, the host, not the GPU, sets the pace, and the interval after a call is that step's own.
+``--during PART`` adds that host time's spread (p50 / p90 / p99 / max) over the mixed and the
+decode-only steps traced while a part of ``bench defaults`` ran its load (``defaults.json``
+beside the trace, ``--row``, default stack: the steady part's ``t0_unix`` and duration).
 """
 
 from __future__ import annotations
@@ -70,12 +74,38 @@ def by_size(records: list[dict], *, lag: int = 1, sizes: list[int] | None = None
     return rows
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def host_during(records: list[dict], lo: float, hi: float) -> dict:
+    """The host time (ms) of the mixed and the decode-only steps scheduled between the wall-clock
+    times ``lo`` and ``hi``: p50 / p90 / p99 / max and how many (None where none had ``launched``)."""
+    out = {}
+    for kind, wanted in (("mixed", lambda r: bool(r.get("chunks"))), ("decode", lambda r: not r.get("chunks"))):
+        ms = [(r["launched"] - r["t"]) * 1e3 for r in records
+              if r.get("launched") is not None and r.get("decode_rows") and lo <= r.get("unix", -1.0) <= hi and wanted(r)]
+        out[kind] = {"steps": len(ms), **({f"host_ms_{k}": round(_pct(ms, q), 1) for k, q in
+                                           (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))} if ms else {})}
+    return out
+
+
+def part_window(defaults: dict, row: str, part: str) -> tuple[float, float]:
+    """When ``part`` of ``row`` ran its load: the steady part's mixed phase, from its
+    ``t0_unix`` for its duration."""
+    result = defaults["rows"][row][part]
+    return result["mixed"]["t0_unix"], result["mixed"]["t0_unix"] + result["shape"]["duration"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path)
     ap.add_argument("--sync", action="store_true", help="the server ran --no-async-scheduling")
     ap.add_argument("--sizes", help="capture sizes, for traces without graph_size")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--during", choices=("steady",), help="host time over the steps of this part's load")
+    ap.add_argument("--row", default="stack", help="with --during: the row in defaults.json beside the trace")
     args = ap.parse_args(argv)
     try:
         records = read(args.trace)
@@ -93,9 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         line = "-" if r["predicted_median_ms"] is None else r["predicted_median_ms"]
         host = "-" if r["host_median_ms"] is None else r["host_median_ms"]
         print(f"{size:>10}  {r['steps']:>6}  {r['median_ms']:>9}  {r['max_ms']:>7}  {line:>12}  {host:>7}")
+    during = None
+    if args.during:
+        try:
+            lo, hi = part_window(json.loads((args.trace.parent / "defaults.json").read_text()), args.row, args.during)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"{args.trace.parent / 'defaults.json'}: no {args.row} {args.during} part with its "
+                  f"t0_unix ({exc!r})", file=sys.stderr)
+            return 2
+        during = {"part": args.during, "row": args.row, "t0_unix": lo, "end_unix": hi, **host_during(records, lo, hi)}
+        for kind in ("mixed", "decode"):
+            h = during[kind]
+            spread = " / ".join(str(h.get(f"host_ms_{k}", "-")) for k in ("p50", "p90", "p99", "max"))
+            print(f"{args.row} {args.during}: {kind} steps {h['steps']}, host ms p50 / p90 / p99 / max {spread}")
     if args.json:
         args.json.write_text(json.dumps({"bench": "step_sizes", "trace": str(args.trace), **run_commit(args.trace),
-                                         "rows": rows, **environment()}, indent=1))
+                                         "rows": rows, **({"during": during} if during else {}), **environment()},
+                                        indent=1))
     return 0
 
 
