@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from prefill_gate.proxy.bench.report import environment  # noqa: E402
+from prefill_gate.proxy.bench.report import environment, percentile  # noqa: E402
 
 IDLE_S = 0.2
 
@@ -74,11 +74,6 @@ def by_size(records: list[dict], *, lag: int = 1, sizes: list[int] | None = None
     return rows
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def host_during(records: list[dict], lo: float, hi: float) -> dict:
     """The host time (ms) of the mixed and the decode-only steps scheduled between the wall-clock
     times ``lo`` and ``hi``: p50 / p90 / p99 / max and how many (None where none had ``launched``)."""
@@ -86,8 +81,8 @@ def host_during(records: list[dict], lo: float, hi: float) -> dict:
     for kind, wanted in (("mixed", lambda r: bool(r.get("chunks"))), ("decode", lambda r: not r.get("chunks"))):
         ms = [(r["launched"] - r["t"]) * 1e3 for r in records
               if r.get("launched") is not None and r.get("decode_rows") and lo <= r.get("unix", -1.0) <= hi and wanted(r)]
-        out[kind] = {"steps": len(ms), **({f"host_ms_{k}": round(_pct(ms, q), 1) for k, q in
-                                           (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))} if ms else {})}
+        out[kind] = {"steps": len(ms), **({f"host_ms_{k}": round(percentile(ms, q), 1) for k, q in
+                                           (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))} if ms else {})}
     return out
 
 
