@@ -22,7 +22,8 @@ makes the GDN core replayable:
 - the layers' core takes that path for every such step (``gdn.install`` sees the mark),
   whatever the step holds: the graph fixes the path at capture.
 
-    PREFILL_GATE_GDN_GRAPH  off  vLLM's graphs (the default until it is measured on a GPU)
+    PREFILL_GATE_GDN_GRAPH  off  vLLM's graphs (the plugin's default: ``on`` needs the launch
+                                 settings below; the stack's deploy files set them and turn it on)
                             on   the above; needs PREFILL_GATE_GDN_RECURRENT on, vLLM's
                                  ``--compilation-config '{"cudagraph_mode": "FULL"}'`` and no
                                  speculative decoding (with it, vLLM's graphs); every step then
