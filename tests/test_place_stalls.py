@@ -78,3 +78,15 @@ def test_the_pairs_worst_gaps_are_placed_beside_the_steps_and_the_hosts_speed(tm
     (tmp_path / "old.json").write_text(json.dumps({"rows": {"stack": {"pair": {"raw": raw[2:]}}}}))
     assert place_stalls.main([str(tmp_path / "old.json"), "--part", "pair"]) == 2
     assert "no t0_unix" in capsys.readouterr().err
+
+
+def test_a_step_with_more_requests_than_any_before_it_is_marked():
+    """A server's first step past a request count (9 at run-ed51eec: ~65 ms more host time) is
+    named; a later step with as many, or one after a larger count, is not."""
+    trace = place_stalls.steps([{"unix": T0 + i, "decode_rows": d, "chunks": c} for i, (d, c) in enumerate(
+        [(4, []), (6, [[0, 50], [0, 75]]), (6, [[0, 125], [50, 50], [0, 75]]), (8, [[100, 25]]), (7, None)])])
+    assert [r["requests"] for r in trace] == [4, 8, 9, 9, 7]
+    assert [r["most_requests_yet"] for r in trace] == [True, True, True, False, False]
+    stall = {"start": T0 + 1.9, "end": T0 + 3.5, "gap_ms": 1600.0, "users": [0]}
+    placed = place_stalls.place(stall, [], trace)["steps"]
+    assert [(s["requests"], s["most_requests_yet"]) for s in placed] == [(8, True), (9, True), (9, False)]

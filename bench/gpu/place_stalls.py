@@ -84,10 +84,16 @@ def collections(lines: list[str]) -> list[tuple[float, float, str]]:
 
 
 def steps(records: list[dict]) -> list[dict]:
-    """Trace lines with ``lasted_s``: until the next line began (the last: unknown)."""
+    """Trace lines with ``lasted_s`` (until the next line began; the last: unknown),
+    ``requests`` (decode rows and prompts' chunks) and ``most_requests_yet`` (more requests than
+    any step before it in the trace: a server's first step past each count has run ~65 ms more
+    host time where nothing else differed, bench/results/hybrid/h100/run-ed51eec/README.md)."""
     records = sorted((r for r in records if "unix" in r), key=lambda r: r["unix"])
+    most = 0
     for r, nxt in zip(records, records[1:] + [None]):
         r["lasted_s"] = None if nxt is None else nxt["unix"] - r["unix"]
+        r["requests"] = (r.get("decode_rows") or 0) + len(r.get("chunks") or [])
+        r["most_requests_yet"], most = r["requests"] > most, max(most, r["requests"])
     return records
 
 
@@ -101,7 +107,8 @@ def place(stall: dict, gcs: list[tuple[float, float, str]], trace: list[dict]) -
         "collections": [line for a, b, line in gcs if a < hi and b > lo],
         "steps": [{"at_ms": round((r["unix"] - lo) * 1e3, 1),
                    "lasted_ms": None if r["lasted_s"] is None else round(r["lasted_s"] * 1e3, 1),
-                   "decode_rows": r.get("decode_rows"), "prefill_tokens": sum(n for _, n in r.get("chunks", [])),
+                   "decode_rows": r.get("decode_rows"), "prefill_tokens": sum(n for _, n in r.get("chunks") or []),
+                   "requests": r["requests"], "most_requests_yet": r["most_requests_yet"],
                    "predicted_ms": None if r.get("predicted_s") is None else round(r["predicted_s"] * 1e3, 1),
                    "host_ms": _host_ms(r)}
                   for r in trace[first:] if r["unix"] < hi],
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             lasted = "to the trace's end" if st["lasted_ms"] is None else f"lasting {st['lasted_ms']} ms"
             print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
                   f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms"
-                  + ("" if st["host_ms"] is None else f", host {st['host_ms']} ms"))
+                  + ("" if st["host_ms"] is None else f", host {st['host_ms']} ms")
+                  + (f"; {st['requests']} requests, the trace's first step with that many" if st["most_requests_yet"] else ""))
         for pr in probe_near(s, probe):
             print(f"  host probe at {pr['at_ms']:+.1f} ms: {pr['work_us']:.0f} us, {pr['x_median']:.2f}x its median"
                   + (f", {pr['steal']:.0%} stolen" if pr.get("steal") else ""))
