@@ -83,10 +83,16 @@ def test_the_pairs_worst_gaps_are_placed_beside_the_steps_and_the_hosts_speed(tm
 def test_a_step_with_more_requests_than_any_before_it_is_marked():
     """A server's first step past a request count (9 at run-ed51eec: ~65 ms more host time) is
     named; a later step with as many, or one after a larger count, is not."""
-    trace = place_stalls.steps([{"unix": T0 + i, "decode_rows": d, "chunks": c} for i, (d, c) in enumerate(
-        [(4, []), (6, [[0, 50], [0, 75]]), (6, [[0, 125], [50, 50], [0, 75]]), (8, [[100, 25]]), (7, None)])])
+    trace = place_stalls.steps([{"unix": T0 + i, "step": i + 1, "decode_rows": d, "chunks": c}
+                                for i, (d, c) in enumerate([(4, []), (6, [[0, 50], [0, 75]]),
+                                                            (6, [[0, 125], [50, 50], [0, 75]]),
+                                                            (8, [[100, 25]]), (7, None)])])
     assert [r["requests"] for r in trace] == [4, 8, 9, 9, 7]
     assert [r["most_requests_yet"] for r in trace] == [True, True, True, False, False]
+    # A server started again writes to the same trace from its step 1: its own firsts count.
+    again = place_stalls.steps([{"unix": T0 + i, "step": s, "decode_rows": d, "chunks": []}
+                                for i, (s, d) in enumerate([(1, 3), (2, 9), (3, 5), (1, 2), (2, 9), (3, 9)])])
+    assert [r["most_requests_yet"] for r in again] == [True, True, False, True, True, False]
     stall = {"start": T0 + 1.9, "end": T0 + 3.5, "gap_ms": 1600.0, "users": [0]}
     placed = place_stalls.place(stall, [], trace)["steps"]
     assert [(s["requests"], s["most_requests_yet"]) for s in placed] == [(8, True), (9, True), (9, False)]

@@ -86,13 +86,18 @@ def collections(lines: list[str]) -> list[tuple[float, float, str]]:
 def steps(records: list[dict]) -> list[dict]:
     """Trace lines with ``lasted_s`` (until the next line began; the last: unknown),
     ``requests`` (decode rows and prompts' chunks) and ``most_requests_yet`` (more requests than
-    any step before it in the trace: a server's first step past each count has run ~65 ms more
-    host time where nothing else differed, bench/results/hybrid/h100/run-ed51eec/README.md)."""
+    any step before it of the same server: a server's first step past 8 has run ~70 ms more host
+    time where nothing else differed, bench/results/hybrid/h100/run-ed51eec/README.md; a trace
+    holds every server that wrote to it, each from its step 1)."""
     records = sorted((r for r in records if "unix" in r), key=lambda r: r["unix"])
-    most = 0
+    most, last_step = 0, None
     for r, nxt in zip(records, records[1:] + [None]):
         r["lasted_s"] = None if nxt is None else nxt["unix"] - r["unix"]
         r["requests"] = (r.get("decode_rows") or 0) + len(r.get("chunks") or [])
+        step = r.get("step")
+        if step is not None and last_step is not None and step <= last_step:
+            most = 0  # the step count began again: another server
+        last_step = step if step is not None else last_step
         r["most_requests_yet"], most = r["requests"] > most, max(most, r["requests"])
     return records
 
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
                   f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms"
                   + ("" if st["host_ms"] is None else f", host {st['host_ms']} ms")
-                  + (f"; {st['requests']} requests, the trace's first step with that many" if st["most_requests_yet"] else ""))
+                  + (f"; {st['requests']} requests, this server's first step with that many" if st["most_requests_yet"] else ""))
         for pr in probe_near(s, probe):
             print(f"  host probe at {pr['at_ms']:+.1f} ms: {pr['work_us']:.0f} us, {pr['x_median']:.2f}x its median"
                   + (f", {pr['steal']:.0%} stolen" if pr.get("steal") else ""))
