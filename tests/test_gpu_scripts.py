@@ -12,6 +12,7 @@ import socket
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,14 @@ def test_defaults_script_judges_the_hybrid_then_replaces_its_servers_for_the_den
         assert all(set(parts) == {"short"} for parts in merged["rows"].values())
         assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
         assert "x step p50" in text and "stopping it" not in text
+        # What a device call brings back (8 files at most): the logs in one tarball.
+        out = tmp_path / "hybrid"
+        kept = sorted(p.name for p in out.iterdir() if p.is_file())
+        assert len(kept) <= 8 and "defaults-logs.tar.gz" in kept, kept
+        with tarfile.open(out / "defaults-logs.tar.gz") as logs:
+            assert {Path(n).name for n in logs.getnames()} >= {"gc-pauses.log", "jit-in-service.log",
+                                                               "paced-server.log", "proxy-decisions.log"}
+        assert "some will stay behind" not in text
         mark = (tmp_path / "mark").read_text()
         assert mark.startswith("defaults hybrid ") and "PREFILL_GATE_GDN_GRAPH=on" in mark  # the stack as shipped
         probe = tmp_path / "hybrid" / "work" / "host-probe.jsonl"  # the host's speed beside the run

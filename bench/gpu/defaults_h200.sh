@@ -310,15 +310,22 @@ if [ -s "$RES/gpu-probe.jsonl" ]; then
   python3 bench/gpu/gpu_probe.py --summary "$RES/gpu-probe.jsonl" | tr -d '\n '; echo
   [ -f "$OUT/defaults.json" ] && python3 bench/gpu/gpu_probe.py --pairs "$RES/gpu-probe.jsonl" "$OUT/defaults.json"
 fi
-grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$OUT/proxy-decisions.log"
-grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$OUT/paced-server.log"
+# The servers' and proxies' lines worth keeping, as four logs in one tarball (defaults-logs.tar.gz):
+# a device call brings back 8 files at most, and the step trace must be one of them.
+LOGS=$RES/logs
+rm -rf "$LOGS"; mkdir -p "$LOGS"
+grep -h "large prefills are\|large prefill #" "$RES"/proxy-*.log 2>/dev/null | tail -200 > "$LOGS/proxy-decisions.log"
+grep -h "prefill-gate" "$RES"/server-paced.log 2>/dev/null | grep -v "cycle collector" | tail -40 > "$LOGS/paced-server.log"
 # Collections of Python's cycle collector past 20 ms in the servers (the plugin's watch) and the
 # proxies, each with its wall-clock end: beside each phase's t0_unix + worst_gaps.
-grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$OUT/gc-pauses.log"
+grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/null | tail -2000 > "$LOGS/gc-pauses.log"
 # Kernels vLLM's JIT monitor saw compile while serving (each a one-time host stall of tens to
-# hundreds of ms: a step the warm-up did not cover; at 27395ae both hybrid stacks had one
-# ~70 ms host step at the same point of steady load, unexplained without these lines).
-grep -H "JIT compilation during inference" "$RES"/server-*.log 2>/dev/null | tail -200 > "$OUT/jit-in-service.log"
+# hundreds of ms: a step the warm-up did not cover; none on the paced server at ed51eec).
+grep -H "JIT compilation during inference" "$RES"/server-*.log 2>/dev/null | tail -200 > "$LOGS/jit-in-service.log"
+tar czf "$OUT/defaults-logs.tar.gz" -C "$LOGS" .
 [ -f "$RES/paced-trace.jsonl" ] && gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
-tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl --exclude=prof . 2>/dev/null
+tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl --exclude=prof \
+  --exclude=logs . 2>/dev/null
+n=$(find "$OUT" -path "$RES" -prune -o -type f -print | wc -l)  # (a dry run's WORK is inside OUT)
+[ "$n" -le 8 ] || say "$n files under $OUT: a device call brings back 8 at most, some will stay behind"
 say "done"

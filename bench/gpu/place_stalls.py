@@ -1,6 +1,6 @@
 """Set a run's worst stream gaps beside what the servers logged at that moment.
 
-    python3 bench/gpu/place_stalls.py OUT/defaults.json [--gc OUT/gc-pauses.log]
+    python3 bench/gpu/place_stalls.py OUT/defaults.json [--gc gc-pauses.log, from OUT/defaults-logs.tar.gz]
         [--trace OUT/paced-trace.jsonl.gz] [--probe WORK/host-probe.jsonl] [--row stack] [--part steady|pair]
 
 For each stall of the steady phase's ``worst_gaps`` (gaps that began within 5 ms of each other
@@ -136,7 +136,7 @@ def _read(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("defaults", type=Path, help="defaults.json (bench defaults)")
-    p.add_argument("--gc", type=Path, help="gc-pauses.log")
+    p.add_argument("--gc", type=Path, help="gc-pauses.log (in defaults-logs.tar.gz in runs after ed51eec)")
     p.add_argument("--trace", type=Path, help="the paced server's step trace (.jsonl or .jsonl.gz)")
     p.add_argument("--probe", type=Path, help="host_probe.py's samples (host-probe.jsonl)")
     p.add_argument("--row", default="stack")
