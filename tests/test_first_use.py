@@ -38,7 +38,7 @@ def test_each_mode_times_every_count_in_a_child_and_the_result_says_which_spiked
         assert set(per_vocab) == {"8", "12"}
         for res in per_vocab.values():
             assert [r["reqs"] for r in res["rows"]] == [1, 2, 3, 4, 5]
-            assert all(set(r["first_by_op_ms"]) == {"gather", "output_layer", "argmax"} for r in res["rows"])
+            assert all(set(r["first_by_op_ms"]) == {"gather", "output_layer", "argmax", "copy_out"} for r in res["rows"])
             assert res["spikes"] == first_use.spikes(res["rows"], 5.0)
 
 

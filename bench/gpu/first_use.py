@@ -7,14 +7,16 @@ host than any later step (bench/results/hybrid/h100/run-ed51eec/README.md): one-
 on the request count, which neither vLLM's JIT monitor (Triton compiles) nor the scheduler
 shows. What vLLM 0.26 runs eagerly every step on one row per request, outside the CUDA graphs:
 the gather of each request's last hidden state, the output layer (a GEMM whose kernel cuBLAS
-picks by the row count, loaded at its first launch under CUDA's lazy module loading) and the
-greedy pick. vLLM warms those at its largest count only (`_dummy_sampler_run`).
+picks by the row count, loaded at its first launch under CUDA's lazy module loading), the
+greedy pick, and the copy of the picks to the host (non-blocking, into a pinned block that
+PyTorch's caching host allocator sizes in powers of two: a new size is a new `cudaHostAlloc`).
+vLLM warms the first three at its largest count only (`_dummy_sampler_run`), the copy not at all.
 
 This replays that order in a fresh process (once at the largest count, then each count from 1
 up, a repeat after each), per vocabulary size, and does it twice: with CUDA_MODULE_LOADING=LAZY
 (CUDA's default) and EAGER, each in a child process of its own. A first call tens of ms over its
-repeat at 9 rows, and none at 2-8, says the ~70 ms step is this; if EAGER has none, loading
-eagerly (or warming the output layer at every count) removes it.
+repeat at 9 rows, and none at 2-8, says the ~70 ms step is this, and which op; if EAGER has
+none, loading eagerly (or warming that op at every count) removes it.
 """
 
 from __future__ import annotations
@@ -45,11 +47,26 @@ def child(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy_out(ids):
+        """The sampled ids to the host as vLLM's async output does: int32 [n, 1], non-blocking on
+        a stream of its own (a pinned host block from PyTorch's caching host allocator)."""
+        ids = ids.to(torch.int32).unsqueeze(-1)
+        if side is None:
+            return ids.to("cpu")
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            host = ids.to("cpu", non_blocking=True)
+        side.synchronize()
+        return host
+
     def step(hidden, weight, n: int) -> dict[str, float]:
         """One step's per-request ops, each timed to its end on the device: ms by op and in all."""
         times, t = {}, time.perf_counter()
         ops = (("gather", lambda x: x.index_select(0, torch.arange(TOKENS - n, TOKENS, device=device))),
-               ("output_layer", lambda x: F.linear(x, weight)), ("argmax", lambda x: x.argmax(dim=-1)))
+               ("output_layer", lambda x: F.linear(x, weight)), ("argmax", lambda x: x.argmax(dim=-1)),
+               ("copy_out", copy_out))
         x = hidden
         for name, op in ops:
             x = op(x)
