@@ -10,7 +10,8 @@ the gather of each request's last hidden state, the output layer (a GEMM whose k
 picks by the row count, loaded at its first launch under CUDA's lazy module loading), the
 greedy pick, and the copy of the picks to the host (non-blocking, into a pinned block that
 PyTorch's caching host allocator sizes in powers of two: a new size is a new `cudaHostAlloc`).
-vLLM warms the first three at its largest count only (`_dummy_sampler_run`), the copy not at all.
+vLLM runs the output layer and its sampler once at start, at its largest count only
+(`_dummy_sampler_run`, sampling rather than the greedy pick), and the copy not at all.
 
 This replays that order in a fresh process (once at the largest count, then each count from 1
 up, a repeat after each), per vocabulary size, and does it twice: with CUDA_MODULE_LOADING=LAZY
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = {m: run_mode(m, child_argv) for m in args.modes}
     from prefill_gate.proxy.bench.report import environment
 
-    print(f"{'loading':8} {'vocab':>7} {'largest first ms':>16}  counts whose first call ran > {args.over_ms} ms over its repeat")
+    print(f"{'loading':8} {'vocab':>7} {'largest first ms':>16}  "
+          f"counts whose first call ran > {args.over_ms} ms over its repeat")
     for mode, per_vocab in modes.items():
         for vocab, res in per_vocab.items():
             found = spikes(res["rows"], args.over_ms)

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  step at {st['at_ms']:+.1f} ms {lasted}: {st['decode_rows']} decode rows, "
                   f"{st['prefill_tokens']} prefill tokens, predicted {st['predicted_ms']} ms"
                   + ("" if st["host_ms"] is None else f", host {st['host_ms']} ms")
-                  + (f"; {st['requests']} requests, this server's first step with that many" if st["most_requests_yet"] else ""))
+                  + (f"; {st['requests']} requests, this server's first step with that many"
+                     if st["most_requests_yet"] else ""))
         for pr in probe_near(s, probe):
             print(f"  host probe at {pr['at_ms']:+.1f} ms: {pr['work_us']:.0f} us, {pr['x_median']:.2f}x its median"
                   + (f", {pr['steal']:.0%} stolen" if pr.get("steal") else ""))
