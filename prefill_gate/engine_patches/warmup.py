@@ -26,6 +26,12 @@ and vLLM starts as it would have: the kernel then compiles in service, as before
 since on a fresh server of the same model and card (bench/results/hybrid/h100/run-ad481ac/):
 the JIT monitor reported nothing in service, where the stock server beside it reported two.
 
+It then runs what vLLM runs eagerly on one row per request every step (the output layer, the
+greedy pick, the picks' copy to the host) once at every request count from 1 to
+``--max-num-seqs``: every 27B hybrid server traced had run its first step with 9 requests ~70 ms
+longer than any later one, and its very first step as long (bench/results/hybrid/h100/run-ed51eec/),
+where vLLM warms these at its largest count only.
+
     PREFILL_GATE_WARMUP   on    (default) as above, where the GDN patch is on
                           off   vLLM's warm-up alone
 """
@@ -86,6 +92,28 @@ def gdn_layers(static_forward_context, layer_cls) -> list:
     return out
 
 
+def output_layer(runner) -> int:
+    """What vLLM runs eagerly on one row per request every step, once at each request count
+    from 1 to the runner's largest: the output layer (a GEMM whose kernel cuBLAS picks by the
+    row count; CUDA loads a kernel at its first launch), the greedy pick in the sampler's dtypes,
+    and the picks' non-blocking copy to the host (a pinned block from PyTorch's caching host
+    allocator, sized in powers of two). vLLM warms these at its largest count only. Returns the
+    largest count warmed (0 where the runner has no output layer to call)."""
+    import torch
+
+    compute_logits = getattr(getattr(runner, "model", None), "compute_logits", None)
+    largest = int(getattr(runner, "max_num_reqs", 0) or 0)
+    if compute_logits is None or largest < 1:
+        return 0
+    hidden = runner.model_config.get_hidden_size()
+    states = torch.rand(largest, hidden, dtype=runner.dtype, device=runner.device)
+    for count in range(1, largest + 1):
+        logits = compute_logits(states[torch.arange(count, device=runner.device)])
+        picks = logits.to(torch.float32).argmax(dim=-1).view(-1).long().to(torch.int32).unsqueeze(-1)
+        picks.to("cpu", non_blocking=True)
+    return largest
+
+
 def warm(runner, internals, gdn_internals) -> list[str]:
     """Everything above for ``runner`` (vLLM's GPUModelRunner); the names of what was warmed."""
     from prefill_gate.engine_patches import gdn
@@ -109,6 +137,9 @@ def warm(runner, internals, gdn_internals) -> list[str]:
         done.append("_gated_delta_kernel")
         if settings["conv"] == "ours":
             done.append("_causal_conv_kernel")
+    largest = output_layer(runner)
+    if largest:
+        done.append(f"the output layer at 1-{largest} requests")
     return done
 
 

@@ -111,13 +111,50 @@ def test_the_kernel_warm_up_touches_no_state(launch, monkeypatch):
     assert convs == ([(shape, 2), (shape, 128), (shape, 256)] if launch.get("conv") == "ours" else [])
 
 
+class Model:
+    """An output layer over a vocabulary of 50 (``compute_logits`` as vLLM's models have it);
+    records the row count of each call."""
+
+    def __init__(self, hidden=8):
+        self.weight = torch.randn(50, hidden, dtype=torch.bfloat16)
+        self.rows = []
+
+    def compute_logits(self, states):
+        self.rows.append(states.shape[0])
+        return states @ self.weight.T
+
+
 class Runner:
     """What ``warmup.warm`` reads from vLLM's GPUModelRunner."""
 
-    def __init__(self, layers, tables=()):
-        self.device = torch.device("cpu")
+    def __init__(self, layers, tables=(), max_num_reqs=5):
+        self.device, self.dtype, self.max_num_reqs = torch.device("cpu"), torch.bfloat16, max_num_reqs
         self.compilation_config = SimpleNamespace(static_forward_context={f"layers.{i}": x for i, x in enumerate(layers)})
         self.input_batch = SimpleNamespace(block_table=SimpleNamespace(block_tables=list(tables)))
+        self.model_config = SimpleNamespace(get_hidden_size=lambda: 8)
+        self.model = Model()
+
+
+def test_the_output_layer_is_warmed_at_every_request_count(monkeypatch):
+    """Once at each count from 1 to the largest, in vLLM's greedy dtypes, each pick copied to
+    the host; nothing where the runner has no output layer (a pooling model) or no count."""
+    runner = Runner([], max_num_reqs=6)
+    copies = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        if args and args[0] == "cpu":
+            copies.append((tuple(self.shape), self.dtype, kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    assert warmup.output_layer(runner) == 6
+    assert runner.model.rows == [1, 2, 3, 4, 5, 6]
+    assert copies == [((n, 1), torch.int32, True) for n in range(1, 7)]
+    runner.model = SimpleNamespace()
+    assert warmup.output_layer(runner) == 0
+    runner = Runner([], max_num_reqs=0)
+    assert warmup.output_layer(runner) == 0 and runner.model.rows == []
 
 
 def kernel_module():
@@ -148,7 +185,7 @@ def test_the_wrapper_follows_vllms_warm_up_once_and_never_stops_it():
     assert len(copies) == 1 and warnings == []
     assert attention.calls == [(0, torch.int32, torch.int64, 64)] and state.calls == []
     assert logs == [f"warmed up before serving ({warmup.ENV}): _compute_slot_mapping_kernel, batch_memcpy_kernel, "
-                    "_gated_delta_kernel"]
+                    "_gated_delta_kernel, the output layer at 1-5 requests"]
     assert all(torch.equal(x.kv_cache[1], s) for x, s in zip(layers, ssm))
     assert len(warmup.gdn_layers(Runner(layers).compilation_config.static_forward_context, Layer)) == 1
 
@@ -159,7 +196,8 @@ def test_the_wrapper_follows_vllms_warm_up_once_and_never_stops_it():
     # The GDN patch off: vLLM's kernels still warmed, ours not.
     Layer._forward_core.prefill_gate_settings["limit"] = 0
     wrapped(Runner([Layer()], [attention]), "config")
-    assert logs == [f"warmed up before serving ({warmup.ENV}): _compute_slot_mapping_kernel, batch_memcpy_kernel"]
+    assert logs == [f"warmed up before serving ({warmup.ENV}): _compute_slot_mapping_kernel, batch_memcpy_kernel, "
+                    "the output layer at 1-5 requests"]
 
     # Our convolution on: warmed too, in the layout vLLM keeps the state in.
     Layer._forward_core.prefill_gate_settings.update(limit=64, conv="ours")
@@ -167,7 +205,7 @@ def test_the_wrapper_follows_vllms_warm_up_once_and_never_stops_it():
     before = [x.kv_cache[0].clone() for x in layers]
     wrapped(Runner(layers), "config")
     assert logs == [f"warmed up before serving ({warmup.ENV}): batch_memcpy_kernel, _gated_delta_kernel, "
-                    "_causal_conv_kernel"]
+                    "_causal_conv_kernel, the output layer at 1-5 requests"]
     assert all(torch.equal(x.kv_cache[0], c) for x, c in zip(layers, before))
     Layer._forward_core.prefill_gate_settings["conv"] = "vllm"
 
