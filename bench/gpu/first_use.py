@@ -18,6 +18,11 @@ up, a repeat after each), per vocabulary size, and does it twice: with CUDA_MODU
 (CUDA's default) and EAGER, each in a child process of its own. A first call tens of ms over its
 repeat at 9 rows, and none at 2-8, says the ~70 ms step is this, and which op; if EAGER has
 none, loading eagerly (or warming that op at every count) removes it.
+
+Run on an H100 (bench/results/hybrid/h100/run-b088fbb/first-use.json): no count from 2 to 64
+ran more than 5 ms over its repeat, lazy or eager. Replayed alone these ops pay nothing at a new
+count; warming vLLM's own ``compute_logits`` at every count (engine_patches.warmup) removed the
+step all the same, so the one-time work lies in vLLM's output path around them.
 """
 
 from __future__ import annotations
