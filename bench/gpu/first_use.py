@@ -1,6 +1,7 @@
 """A server's first step at a new request count: what each eager per-request op pays the first time.
 
     python3 bench/gpu/first_use.py [--json OUT.json] [--max-reqs 64] [--hidden 5120] [--vocab 256,248320]
+                                   [--fill 0.9]
 
 On the 27B hybrid every server traced ran its first step with 9 requests ~70 ms longer on the
 host than any later step (bench/results/hybrid/h100/run-ed51eec/README.md): one-time work keyed
@@ -22,7 +23,10 @@ none, loading eagerly (or warming that op at every count) removes it.
 Run on an H100 (bench/results/hybrid/h100/run-b088fbb/first-use.json): no count from 2 to 64
 ran more than 5 ms over its repeat, lazy or eager. Replayed alone these ops pay nothing at a new
 count; warming vLLM's own ``compute_logits`` at every count (engine_patches.warmup) removed the
-step all the same, so the one-time work lies in vLLM's output path around them.
+step all the same, so the one-time work lies in vLLM's output path around them, or in what the
+replay lacked then and has since: the logits' float32 copy the sampler makes (``to_float32``)
+and a card mostly taken (``--fill 0.9``: a server's KV cache leaves a few GiB, so each new size
+may be a new ``cudaMalloc``, or the caching allocator freeing what it holds to make room).
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ def child(args) -> dict:
         """One step's per-request ops, each timed to its end on the device: ms by op and in all."""
         times, t = {}, time.perf_counter()
         ops = (("gather", lambda x: x.index_select(0, torch.arange(TOKENS - n, TOKENS, device=device))),
-               ("output_layer", lambda x: F.linear(x, weight)), ("argmax", lambda x: x.argmax(dim=-1)),
-               ("copy_out", copy_out))
+               ("output_layer", lambda x: F.linear(x, weight)), ("to_float32", lambda x: x.to(torch.float32)),
+               ("argmax", lambda x: x.argmax(dim=-1)), ("copy_out", copy_out))
         x = hidden
         for name, op in ops:
             x = op(x)
@@ -81,6 +85,7 @@ def child(args) -> dict:
             times[name], t = round((now - t) * 1e3, 3), now
         return {"ms": round(sum(times.values()), 3), **times}
 
+    held = hold(device, args.fill)  # noqa: F841 (held for the whole replay, as vLLM's KV cache is)
     out = {}
     for vocab in args.vocab:
         gen = torch.Generator(device=device).manual_seed(vocab)
@@ -94,6 +99,18 @@ def child(args) -> dict:
                          "first_by_op_ms": first})
         out[str(vocab)] = {"largest_first_ms": largest["ms"], "rows": rows}
     return out
+
+
+def hold(device, fill: float):
+    """A tensor holding the card's memory up to ``fill`` of it (0: none), as a server's KV cache
+    holds all but a few GiB: each new size the replay allocates then comes from what is left."""
+    import torch
+
+    if fill <= 0 or device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    take = int(total * fill) - (total - free)
+    return torch.empty(max(take, 0), dtype=torch.uint8, device=device)
 
 
 def run_mode(mode: str, argv: list[str]) -> dict:
@@ -121,16 +138,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the dummy folder's, and Qwen3.5's")
     p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     p.add_argument("--over-ms", type=float, default=5.0, help="a first call this much over its repeat is a spike")
+    p.add_argument("--fill", type=float, default=0.0,
+                   help="hold this share of the card's memory first, as a server's KV cache does (0 to 0.98)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    if not 0 <= args.fill <= 0.98:
+        p.error(f"--fill: {args.fill} (a share of the card's memory, 0 to 0.98)")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: {bad} (known: {', '.join(MODES)})")
     child_argv = ["--device", args.device, "--max-reqs", str(args.max_reqs), "--hidden", str(args.hidden),
-                  "--vocab", ",".join(map(str, args.vocab))]
+                  "--vocab", ",".join(map(str, args.vocab)), "--fill", str(args.fill)]
     modes = {m: run_mode(m, child_argv) for m in args.modes}
     from prefill_gate.proxy.bench.report import environment
 
@@ -146,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             res["spikes"] = found
     if args.json:
         Path(args.json).write_text(json.dumps({"bench": "first_use", "tokens": TOKENS, "hidden": args.hidden,
-                                               "max_reqs": args.max_reqs, "over_ms": args.over_ms, "modes": modes,
+                                               "max_reqs": args.max_reqs, "over_ms": args.over_ms, "fill": args.fill,
+                                               "modes": modes,
                                                **environment()}, indent=1))
     return 0
 
