@@ -107,7 +107,8 @@ def output_layer(runner) -> int:
     import torch
 
     compute_logits = getattr(getattr(runner, "model", None), "compute_logits", None)
-    largest = int(getattr(runner, "max_num_reqs", 0) or 0)
+    # vLLM's own sampler warm-up's count: a step holds no more requests than tokens
+    largest = min(int(getattr(runner, "max_num_reqs", 0) or 0), int(getattr(runner, "max_num_tokens", 1 << 30)))
     if compute_logits is None or largest < 1:
         return 0
     hidden = runner.model_config.get_hidden_size()

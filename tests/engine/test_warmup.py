@@ -151,6 +151,9 @@ def test_the_output_layer_is_warmed_at_every_request_count(monkeypatch):
     assert warmup.output_layer(runner) == 6
     assert runner.model.rows == [1, 2, 3, 4, 5, 6]
     assert copies == [((n, 1), torch.int32, True) for n in range(1, 7)]
+    runner.max_num_tokens = 4  # vLLM's count: no more requests than a step's tokens
+    runner.model.rows.clear()
+    assert warmup.output_layer(runner) == 4 and runner.model.rows == [1, 2, 3, 4]
     runner.model = SimpleNamespace()
     assert warmup.output_layer(runner) == 0
     runner = Runner([], max_num_reqs=0)
