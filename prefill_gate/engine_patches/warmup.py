@@ -27,15 +27,16 @@ since on a fresh server of the same model and card (bench/results/hybrid/h100/ru
 the JIT monitor reported nothing in service, where the stock server beside it reported two.
 
 It then runs what vLLM runs eagerly on one row per request every step (the output layer, the
-greedy pick, the picks' copy to the host) once at every request count from 1 to
-``--max-num-seqs``: every 27B hybrid server traced had run its first step with 9 requests ~70 ms
-longer than any later one (bench/results/hybrid/h100/run-ed51eec/), where vLLM warms these at
-its largest count only. Measured since (bench/results/hybrid/h100/run-b088fbb/): that step took
-6.9 and 6.1 ms of host time on two servers warmed so, 71.5 on one with no warm-up, minutes apart
-on one H100 (the steady load's worst gap 49.1 and 47.6 ms against 73.0); the warm-up without this
-stage, at ed51eec, had left it (70.9 ms). Replayed alone, none of
-the three ops stalls at a new count (bench/gpu/first_use.py): the one-time work is somewhere in
-vLLM's output path around them, which calling the model's own ``compute_logits`` covers.
+greedy pick, the picks' copy to the host) once at every request count from 1 to vLLM's largest
+(``--max-num-seqs``, or ``--max-num-batched-tokens`` where that is fewer): every 27B hybrid
+server traced had run its first step with 9 requests ~70 ms longer than any later one
+(bench/results/hybrid/h100/run-ed51eec/), where vLLM warms these at its largest count only.
+Measured since (bench/results/hybrid/h100/run-b088fbb/): that step took 6.9 and 6.1 ms of host
+time on two servers warmed so, 71.5 on one with no warm-up, minutes apart on one H100 (the
+steady load's worst gap 49.1 and 47.6 ms against 73.0); the warm-up without this stage, at
+ed51eec, had left it (70.9 ms). Replayed alone, none of the three ops stalls at a new count
+(bench/gpu/first_use.py): the one-time work is somewhere in vLLM's output path around them,
+which calling the model's own ``compute_logits`` covers.
 
     PREFILL_GATE_WARMUP   on    (default) as above, where the GDN patch is on
                           off   vLLM's warm-up alone
@@ -115,7 +116,7 @@ def output_layer(runner) -> int:
     states = torch.rand(largest, hidden, dtype=runner.dtype, device=runner.device)
     for count in range(1, largest + 1):
         logits = compute_logits(states[torch.arange(count, device=runner.device)])
-        picks = logits.to(torch.float32).argmax(dim=-1).view(-1).long().to(torch.int32).unsqueeze(-1)
+        picks = logits.to(torch.float32).argmax(dim=-1).to(torch.int32).unsqueeze(-1)  # [count, 1], as sampled
         picks.to("cpu", non_blocking=True)
     return largest
 
