@@ -27,6 +27,14 @@ validated when the scheduler is built; an error names the variable and what it a
                                      this many prompt tokens left to compute (cached prefix
                                      excluded) are prefilled before a longer prompt's next
                                      chunk; 0: arrival order, as vLLM (1024)
+    PREFILL_GATE_PACING_SHORT_STEP_X adaptive: a step whose pending prefill is all short prompts
+                                     (SHORT_TOKENS left to compute, as short-first counts them: a
+                                     long prompt's last ones too) aims at this many times the predicted step
+                                     without prefill where that is below TARGET_ITL_MS: a short
+                                     prompt takes a step more and costs the streams less, while
+                                     long prompts' steps keep the target (where a prefill step
+                                     is bound by compute and a decode step by memory, as the
+                                     27B hybrid on the H200: 38 ms against 15); 0: off (0)
     PREFILL_GATE_PACING_LONG_MIN_SHARE the least share of a bounded step's prefill tokens a
                                      longer prompt keeps while short ones go first (0.5)
     PREFILL_GATE_PACING_SUB_BLOCK    hybrid models in prefix caching's align mode: 1 lets a
@@ -85,6 +93,7 @@ class PacingConfig:
     graph_align: bool = True
     step_quantum: int = 0
     short_tokens: int = 1024
+    short_step_x: float = 0.0
     long_min_share: float = 0.5
     sub_block: bool = False
     short_when_idle: bool = False
@@ -107,6 +116,12 @@ class PacingConfig:
                 f"{PREFIX}=adaptive needs {PREFIX}_TARGET_ITL_MS (the step time to hold, "
                 "in milliseconds, e.g. 3x the solo inter-token gap)"
             )
+        short_step_x = _number(env, "SHORT_STEP_X", 0.0, low=0.0, high=100.0, cast=float)
+        if 0 < short_step_x <= 1:
+            raise PacingConfigError(
+                f"{PREFIX}_SHORT_STEP_X={short_step_x}: expected 0 (off) or more than 1 (a step "
+                "with a prefill in it takes longer than one without)"
+            )
         max_deferred = _number(env, "MAX_DEFERRED", interval, low=1, high=1000)
         if max_deferred < interval:
             raise PacingConfigError(
@@ -124,6 +139,7 @@ class PacingConfig:
             graph_align=_number(env, "GRAPH_ALIGN", 1, low=0, high=1) == 1,
             step_quantum=_number(env, "STEP_QUANTUM", 0, low=0, high=1 << 16),
             short_tokens=_number(env, "SHORT_TOKENS", 1024, low=0, high=1 << 20),
+            short_step_x=short_step_x,
             long_min_share=_number(env, "LONG_MIN_SHARE", 0.5, low=0.0, high=1.0, cast=float),
             sub_block=_number(env, "SUB_BLOCK", 0, low=0, high=1) == 1,
             short_when_idle=_number(env, "SHORT_WHEN_IDLE", 0, low=0, high=1) == 1,
@@ -144,7 +160,9 @@ class PacingConfig:
             return "; prompts in arrival order"
         return (f"; prompts of <= {self.short_tokens} uncached tokens first, longer ones keep "
                 f">= {self.long_min_share:.0%} of a step's prefill"
-                + (", also with nothing decoding" if self.short_when_idle else ""))
+                + (", also with nothing decoding" if self.short_when_idle else "")
+                + (f"; steps with only such prompts to prefill aim at <= {self.short_step_x:g}x the "
+                   "step without prefill" if self.short_step_x and self.mode == "adaptive" else ""))
 
     def _describe_mode(self) -> str:
         if self.mode == "cap":

@@ -110,6 +110,7 @@ class StepPlan:
     defer: bool = False
     prefill_cap: int | None = None
     unreachable: bool = False  # adaptive: the target is below a step without prefill
+    target_s: float | None = None  # adaptive: the step time this step aims to hold
 
 
 @dataclass
@@ -117,6 +118,7 @@ class _StepRecord:
     tokens: int
     x: tuple[float, ...]
     filled: bool = False  # its prefill took all of a pacing cap
+    target_s: float | None = None  # the step time it was planned to hold (adaptive)
     output: object = None  # the SchedulerOutput, to know it when vLLM's loop comes back
     scheduled_at: float = 0.0
     launched_at: float | None = None  # when the loop came back after launching it (get_grammar_bitmask)
@@ -182,7 +184,9 @@ class Pacer:
         decode_tokens: int,
         prefill_start: int,
         engine_throttle: bool = False,
+        short_only: bool = False,
     ) -> StepPlan:
+        """``short_only``: every pending prefill is a short prompt (SHORT_STEP_X applies)."""
         mode = self.config.mode
         if mode == "off" or not (decoding and prefill_pending):
             self.deferred_in_row = 0
@@ -197,13 +201,26 @@ class Pacer:
             return StepPlan()
         if mode == "cap":
             return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens))
-        cap = self._adaptive_cap(decode_tokens, prefill_start)
+        target = self.step_target(decode_tokens, short_only)
+        cap = self._adaptive_cap(decode_tokens, prefill_start, target)
         if cap is None:  # no prefill size meets the target: the configured cap, not starvation
             return StepPlan(prefill_cap=self._fit_cap(self.config.cap_tokens, decode_tokens),
-                            unreachable=True)
-        return StepPlan(prefill_cap=self._fit_cap(cap, decode_tokens))
+                            unreachable=True, target_s=target)
+        return StepPlan(prefill_cap=self._fit_cap(cap, decode_tokens), target_s=target)
 
-    def _adaptive_cap(self, decode_rows: int, prefill_start: int) -> int | None:
+    def step_target(self, decode_rows: int, short_only: bool = False) -> float:
+        """The step time an adaptive step aims to hold: the target, or, for a step whose pending
+        prefill is all short prompts, SHORT_STEP_X times the predicted step without prefill where
+        that is lower (once the model has its mixed steps). A short prompt then takes a step more
+        and each of its steps costs the streams less; long prompts' steps keep the target."""
+        target = self.config.target_itl_s
+        assert target is not None
+        x = self.config.short_step_x
+        if short_only and x and self.model.mixed_samples >= MIN_FIT_SAMPLES:
+            target = min(target, x * self.model.predict(features(decode_rows, [])))
+        return target
+
+    def _adaptive_cap(self, decode_rows: int, prefill_start: int, target: float) -> int | None:
         """The prefill tokens the fitted model allows within the target, or None when the
         model predicts that even a step without prefill takes longer than the target.
 
@@ -216,8 +233,6 @@ class Pacer:
         """
         if self.model.mixed_samples < MIN_FIT_SAMPLES:
             return self.config.cap_tokens
-        assert self.config.target_itl_s is not None
-        target = self.config.target_itl_s
         if self.host_bound and self.graph_sizes and self.config.graph_align:
             if statistics.median(h for h, _ in self._host_steps) >= target:
                 return None  # the host alone takes longer than the target: no cap would do
@@ -291,12 +306,14 @@ class Pacer:
             if cap < self.config.min_tokens:
                 return self.config.min_tokens
 
-    def feedback(self, seconds: float, filled: bool = False, host_s: float | None = None) -> None:
+    def feedback(self, seconds: float, filled: bool = False, host_s: float | None = None,
+                 target_s: float | None = None) -> None:
         """A measured step that ran prefill next to decodes (adaptive mode); ``filled``: its
-        prefill took all the cap it was given; ``host_s``: the engine host's work to launch it."""
+        prefill took all the cap it was given; ``host_s``: the engine host's work to launch it;
+        ``target_s``: the step time it was planned to hold (default: the target)."""
         if self.config.mode != "adaptive" or self.config.target_itl_s is None:
             return
-        target = self.config.target_itl_s
+        target = target_s or self.config.target_itl_s
         if host_s is not None:
             self._host_steps.append((host_s, seconds))
         if seconds > target:
@@ -451,12 +468,16 @@ class _PacingMixin:
         ordered = decodes + prefills + short_run
         if any(a is not b for a, b in zip(self.running, ordered)):
             self.running[:] = ordered
+        # SHORT_STEP_X: nothing long running or waiting, so the step's prefill is short prompts'
+        short_only = (short_first and not prefills and bool(config.short_step_x)
+                      and not self.short_first.long_waiting(config.short_tokens))
         plan = self.pacer.plan(
             decoding=bounded,
             prefill_pending=bool(short_run or prefills or self.waiting or self.skipped_waiting),
             decode_tokens=sum(decode_tokens.values()),
             prefill_start=(prefills or short_run)[0].num_computed_tokens if prefills or short_run else 0,
             engine_throttle=throttle_prefills,
+            short_only=short_only,
         )
 
         arrangement = None
@@ -550,7 +571,7 @@ class _PacingMixin:
         x = features(decode_rows, chunks)
         prefill = sum(n for _, n in chunks)
         filled = plan.prefill_cap is not None and prefill >= plan.prefill_cap
-        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, filled, output, now))
+        self._pacing_steps.append(_StepRecord(output.total_num_scheduled_tokens, x, filled, plan.target_s, output, now))
         short_tokens = 0
         if arrangement is not None and (arrangement.long_ids or arrangement.waiting_order is not None):
             # a short prompt went ahead of a long one that wanted the same tokens
@@ -590,6 +611,7 @@ class _PacingMixin:
             "deferred": plan.defer, "unreachable": plan.unreachable,
             "short_first_tokens": short_tokens,
             "aim": round(self.pacer.aim, 4) if adaptive else None,
+            "target_s": None if plan.target_s is None else round(plan.target_s, 6),
             "predicted_s": round(self.pacer.model.predict(x), 6) if adaptive else None,
             "host_bound": self.pacer.host_bound if adaptive else None,
             "graph_size": self.pacer.graph_size(output.total_num_scheduled_tokens),
@@ -647,7 +669,7 @@ class _PacingMixin:
         if 0 < seconds < MAX_STEP_SECONDS:
             self.pacer.model.observe(measured.x, seconds, size=self.pacer.graph_size(measured.tokens))
             if is_mixed(measured.x):
-                self.pacer.feedback(seconds, measured.filled, measured.host_s)
+                self.pacer.feedback(seconds, measured.filled, measured.host_s, measured.target_s)
             self.pacing_telemetry.fitted(seconds, self.pacer.aim, self.pacer.host_bound)
 
 

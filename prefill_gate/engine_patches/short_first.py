@@ -33,6 +33,7 @@ prompt waits): an agent's 30k-token turn whose 29.7k are cached is short.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -107,6 +108,15 @@ class ShortFirst:
         if sched.max_num_running_reqs <= len(sched.running):
             return False
         return any(self.remaining(r) <= short_tokens for i, r in enumerate(sched.waiting) if i < MAX_SCAN)
+
+    def long_waiting(self, short_tokens: int) -> bool:
+        """Does a prompt with more than ``short_tokens`` left to compute wait (the first MAX_SCAN
+        of each queue looked at)?"""
+        sched = self.scheduler
+        for queue in (sched.waiting, sched.skipped_waiting):
+            if any(self.remaining(r) > short_tokens for r in itertools.islice(queue, MAX_SCAN)):
+                return True
+        return False
 
     def split_running(self, prefills: list, short_tokens: int) -> tuple[list, list]:
         """Running prefills as (short, long), each in running order."""

@@ -533,8 +533,8 @@ def test_a_host_slowdown_leaves_the_aim_alone(tiny_model, pacing_env, monkeypatc
     assert after <= 1.1 * calm, (after, calm)
     assert worst <= 0.046 * 1.02  # the slowdown's own steps
     original = Pacer.feedback
-    monkeypatch.setattr(Pacer, "feedback", lambda self, seconds, filled=False, host_s=None:
-                        original(self, seconds, filled))  # the host's time not known
+    monkeypatch.setattr(Pacer, "feedback", lambda self, seconds, filled=False, host_s=None, target_s=None:
+                        original(self, seconds, filled, None, target_s))  # the host's time not known
     (_, during, after), _ = host_bound_pair(tiny_model, slow_host_steps=90)
     assert during > 1.25 * calm and after > 1.1 * calm  # both bounds above fail
 
@@ -685,3 +685,49 @@ def test_the_control_file_changes_the_settings_and_keeps_what_was_measured(tiny_
     engine.now += 1.0
     engine.step()
     assert scheduler.pacer.config.target_itl_s == 0.042
+
+
+def hybrid_h200_cost(step, scheduler) -> float:
+    """The 27B hybrid's steps on the H200 (bench/results/hybrid/h200/run-0bbf63f/): 15.2 ms beside
+    the decodes, ~0.09 ms a prefill token (256 tokens: ~38 ms)."""
+    return 0.0152 + 9e-5 * step.prefill_tokens
+
+
+@pytest.mark.parametrize("cls,depth", CLASSES)
+def test_short_step_x_splits_short_prompts_and_leaves_long_ones_their_target(cls, depth, tiny_model, pacing_env):
+    """SHORT_STEP_X=2 with a 44 ms target, 4 streams: 300-token prompts arriving alone cost the
+    streams at most ~2x their step (they take a step more), and a 20k prompt's steps keep the
+    target, with a short prompt arriving while it prefills too."""
+    seen = {}
+    for x in (0, 2):
+        pacing_env("adaptive", target_itl_ms=44, cap_tokens=64, short_step_x=x)
+        engine = Engine(make(cls, depth, tiny_model), depth=depth, cost=hybrid_h200_cost)
+        streams = [f"B{i}" for i in range(4)]
+        for name in streams:
+            engine.add(40, 100_000, name)
+        engine.run(lambda: all(name in engine.first_token for name in streams))
+        engine.add(8_000, 2, "warm")  # the fit's mixed steps
+        engine.run(lambda: "warm" in engine.finished, max_steps=3000)
+        for i in range(6):
+            engine.add(300, 1, f"S{i}")
+            engine.run(lambda i=i: f"S{i}" in engine.finished, max_steps=200)
+        engine.add(20_000, 2, "L")
+        engine.run(lambda: engine.scheduler.requests["L"].num_computed_tokens >= 10_000, max_steps=3000)
+        engine.add(300, 1, "S-beside")
+        engine.run(lambda: "L" in engine.finished and "S-beside" in engine.finished, max_steps=3000)
+        engine.drain()
+        steps = list(zip(engine.steps, engine.durations))
+
+        def prefilled(step, names):
+            return [r for r in step.output.num_scheduled_tokens if r not in step.decoding and r in names]
+
+        short = [d for s, d in steps if s.decoding and prefilled(s, {f"S{i}" for i in range(6)})]
+        long = [d for s, d in steps if s.decoding and prefilled(s, {"L"})]
+        seen[x] = short, long
+    (short_off, long_off), (short_on, long_on) = seen[0], seen[2]
+    assert max(short_off) > 0.036  # the target lets a short prompt's first 250-300 tokens into one step
+    assert max(short_on) <= 2 * 0.0152 * 1.05, sorted(short_on)[-5:]  # at most ~2x the step
+    assert len(short_on) > len(short_off)  # the price: a step more for some
+    # long prompts keep their steps; their last SHORT_TOKENS count as short, as short-first counts
+    # them (a step or two more at the end: ~1.5% of the prompt's time here)
+    assert statistics.median(long_on) >= 0.040 and sum(long_on) <= 1.03 * sum(long_off), (sum(long_on), sum(long_off))

@@ -33,6 +33,10 @@ def test_defaults_are_off():
         ({"PREFILL_GATE_PACING_SHORT_WHEN_IDLE": "2"}, "SHORT_WHEN_IDLE=2: expected"),
         ({"PREFILL_GATE_PACING_HOST_SHARE": "80%"}, "HOST_SHARE='80%': expected a number"),
         ({"PREFILL_GATE_PACING_HOST_SHARE": "1.5"}, "HOST_SHARE=1.5: expected 0.0..1.0"),
+        ({"PREFILL_GATE_PACING_SHORT_STEP_X": "1"}, "SHORT_STEP_X=1.0: expected 0 .off. or more than 1"),
+        ({"PREFILL_GATE_PACING_SHORT_STEP_X": "0.5"}, "SHORT_STEP_X=0.5: expected 0 .off. or more than 1"),
+        ({"PREFILL_GATE_PACING_SHORT_STEP_X": "2x"}, "SHORT_STEP_X='2x': expected a number"),
+        ({"PREFILL_GATE_PACING_SHORT_STEP_X": "-2"}, "SHORT_STEP_X=-2.0: expected 0.0..100.0"),
     ],
 )
 def test_bad_settings_name_the_variable(env, message):
@@ -52,6 +56,10 @@ def test_every_mode_describes_itself():
     idle = PacingConfig.from_env({"PREFILL_GATE_PACING": "cap", "PREFILL_GATE_PACING_SHORT_WHEN_IDLE": "1"})
     assert idle.short_when_idle and "also with nothing decoding" in idle.describe()
     assert not PacingConfig.from_env({"PREFILL_GATE_PACING": "cap"}).short_when_idle
+    short_x = PacingConfig.from_env({"PREFILL_GATE_PACING": "adaptive", "PREFILL_GATE_PACING_TARGET_ITL_MS": "44",
+                                     "PREFILL_GATE_PACING_SHORT_STEP_X": "2"})
+    assert short_x.short_step_x == 2.0 and "only such prompts to prefill aim at <= 2x" in short_x.describe()
+    assert PacingConfig.from_env({}).short_step_x == 0.0  # off unless set
 
 
 def test_model_recovers_a_known_law():
@@ -389,3 +397,48 @@ def test_the_aim_returns_as_fast_as_it_fell_only_after_a_row_of_filled_steps_wel
     aim = pacer.aim
     pacer.feedback(0.030, filled=True)
     assert pacer.aim == pytest.approx(aim * slow)
+
+
+def hybrid_h200_pacer(**settings) -> Pacer:
+    """A pacer fitted to the 27B hybrid's steps on the H200 (bench/results/hybrid/h200/run-0bbf63f/
+    step-sizes.json): 15.2 ms without prefill beside 4 decodes, ~0.09 ms a prefill token, so 256
+    tokens take ~38 ms; target 44 ms. Graph sizes off: the line alone decides here."""
+    config = PacingConfig(mode="adaptive", target_itl_s=0.044, graph_clamp=False, graph_align=False,
+                          **settings)
+    pacer = Pacer(config)
+    for n in (0, 64, 128, 160, 256, 0, 64, 128, 160, 256, 96, 192):
+        pacer.model.observe(features(4, [(0, n)] if n else []), hybrid_h200_step(n))
+    pacer.aim = 1.0
+    return pacer
+
+
+def hybrid_h200_step(prefill_tokens: int) -> float:
+    return 0.0152 + 9e-5 * prefill_tokens
+
+
+def test_a_step_of_only_short_prompts_aims_at_its_multiple_of_the_step_without_prefill():
+    """SHORT_STEP_X=2 on the H200's hybrid: a step whose pending prefill is all short prompts aims
+    at 2x the predicted 15.2 ms step (30.4 ms, ~160 tokens); any step with a long prompt pending
+    keeps the 44 ms target (~320 tokens)."""
+    pacer = hybrid_h200_pacer(short_step_x=2.0)
+    long, short = plan(pacer, decode_tokens=4), plan(pacer, decode_tokens=4, short_only=True)
+    assert long.target_s == 0.044 and short.target_s == pytest.approx(2 * hybrid_h200_step(0), rel=0.01)
+    assert hybrid_h200_step(short.prefill_cap) <= short.target_s + 1e-4
+    assert short.prefill_cap >= 150 and long.prefill_cap >= 300
+    assert hybrid_h200_step(long.prefill_cap) <= 0.044 + 1e-4
+    # off, or a multiple whose step is past the target: the target for every step
+    for x in (0.0, 3.0):
+        assert plan(hybrid_h200_pacer(short_step_x=x), decode_tokens=4, short_only=True).target_s == 0.044
+    # before the model has its mixed steps: the starting cap, the target recorded
+    fresh = Pacer(PacingConfig(mode="adaptive", target_itl_s=0.044, cap_tokens=64, short_step_x=2.0))
+    assert plan(fresh, short_only=True) == plan(fresh) == type(plan(fresh))(prefill_cap=64, target_s=0.044)
+
+
+def test_feedback_judges_a_step_by_the_target_it_was_planned_for():
+    """A short-only step of 35 ms missed its 30 ms target: the aim comes down, as for a long
+    prompt's step past 44 ms; the same 35 ms under the 44 ms target raises it."""
+    for target_s, lower in ((0.030, True), (0.044, False), (None, False)):
+        pacer = hybrid_h200_pacer(short_step_x=2.0)
+        before = pacer.aim
+        pacer.feedback(0.035, filled=True, target_s=target_s)
+        assert (pacer.aim < before) == lower, target_s
