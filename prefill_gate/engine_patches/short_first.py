@@ -107,7 +107,7 @@ class ShortFirst:
         sched = self.scheduler
         if sched.max_num_running_reqs <= len(sched.running):
             return False
-        return any(self.remaining(r) <= short_tokens for i, r in enumerate(sched.waiting) if i < MAX_SCAN)
+        return any(self.remaining(r) <= short_tokens for r in itertools.islice(sched.waiting, MAX_SCAN))
 
     def long_waiting(self, short_tokens: int) -> bool:
         """Does a prompt with more than ``short_tokens`` left to compute wait (the first MAX_SCAN
