@@ -62,12 +62,19 @@ CONFIGS = {  # name -> settings over STACK_ENV; the first two are rows the H200 
     "SHORT_STEP_X=2": {"PREFILL_GATE_PACING_SHORT_STEP_X": "2"},
     "SHORT_STEP_X=1.8": {"PREFILL_GATE_PACING_SHORT_STEP_X": "1.8"},
 }
-# What the H200 measured for the first two (run-0bbf63f's README: the stack's row and target30/).
+# What the cards measured, by the law's run: the H200's (run-0bbf63f's README: the stack's row,
+# target30/) and an H100's (run-b088fbb's defaults.json, the stack's row).
 MEASURED = {
-    "as shipped (44 ms)": {"short_cost_ms_p50": 37.7, "short_cost_x_step_p50": 2.48, "gaps_ms_p99": 43.2,
-                           "gaps_x_alone_p99": 1.16, "long_x_p50": 1.76},
-    "target 30 ms": {"short_cost_ms_p50": 29.1, "short_cost_x_step_p50": 1.91, "gaps_ms_p99": 31.0,
-                     "gaps_x_alone_p99": 1.21, "long_x_p50": 2.18},
+    "run-0bbf63f": {
+        "as shipped (44 ms)": {"short_cost_ms_p50": 37.7, "short_cost_x_step_p50": 2.48, "gaps_ms_p99": 43.2,
+                               "gaps_x_alone_p99": 1.16, "long_x_p50": 1.76},
+        "target 30 ms": {"short_cost_ms_p50": 29.1, "short_cost_x_step_p50": 1.91, "gaps_ms_p99": 31.0,
+                         "gaps_x_alone_p99": 1.21, "long_x_p50": 2.18},
+    },
+    "run-b088fbb": {
+        "as shipped (44 ms)": {"short_cost_ms_p50": 37.6, "short_cost_x_step_p50": 1.80, "gaps_ms_p99": 44.3,
+                               "gaps_x_alone_p99": 1.18, "long_x_p50": 1.88},
+    },
 }
 
 
@@ -297,8 +304,8 @@ COLUMNS = [("config", "config"), ("short_cost_ms_p50", "short cost p50 ms"), ("s
            ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x alone")]
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    """Per configuration, each figure's range over the seeds ("lo-hi"), and the H200's where measured."""
+def summarize(runs: list[dict], measured: dict) -> list[dict]:
+    """Per configuration, each figure's range over the seeds ("lo-hi"), and the card's where measured."""
     rows = []
     for name in dict.fromkeys(r["config"] for r in runs):
         mine = [r for r in runs if r["config"] == name]
@@ -307,8 +314,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             lo, hi = min(r[k] for r in mine), max(r[k] for r in mine)
             row[k] = f"{lo:.2f}-{hi:.2f}" if hi < 10 else f"{lo:.1f}-{hi:.1f}"
         rows.append(row)
-        if name in MEASURED:
-            rows.append({"config": "  the H200 measured", **{k: MEASURED[name].get(k, "") for k in KEYS}})
+        if name in measured:
+            rows.append({"config": "  the card measured", **{k: measured[name].get(k, "") for k in KEYS}})
     return rows
 
 
@@ -316,6 +323,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, every configuration on each (default 3)")
     p.add_argument("--law", type=Path, default=LAW, help="step_sizes.py's JSON of the card's steps")
+    p.add_argument("--decode-ms", type=float, default=DECODE_MS,
+                   help="a step without prefill on that card (default: %(default)s, the H200's)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="which of: " + ", ".join(CONFIGS))
     p.add_argument("--json")
     args = p.parse_args()
@@ -323,7 +332,8 @@ def main() -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
-    law = StepLaw(args.law)
+    law = StepLaw(args.law, args.decode_ms)
+    measured = MEASURED.get(args.law.resolve().parent.name, {})
     from tests.engine.harness import model_dir
 
     model = model_dir(Path(tempfile.mkdtemp()))
@@ -334,12 +344,12 @@ def main() -> int:
             runs.append(run)
             print(f"[short_step_x] seed {seed} {name}: short {run['short_cost_ms_p50']:.1f} ms "
                   f"({run['short_cost_x_step_p50']:.2f}x), long {run['long_x_p50']:.2f}x", flush=True)
-    rows = summarize(runs)
+    rows = summarize(runs, measured)
     print(table(rows, COLUMNS))
     result = {"bench": "short_step_x", "model": "vLLM 0.26 AsyncScheduler + PacedAsyncScheduler on a fake clock",
               "law": str(args.law.resolve().relative_to(Path(__file__).resolve().parents[1])),
               "law_ms": {str(k): round(v * 1e3, 2) for k, v in law.mixed.items()}, "decode_ms": law.decode * 1e3,
-              "stack_env": STACK_ENV, "measured_h200": MEASURED, "summary": rows, "runs": runs, **environment()}
+              "stack_env": STACK_ENV, "measured": measured, "summary": rows, "runs": runs, **environment()}
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")
