@@ -13,6 +13,8 @@ setting gives on the two parts that judge it, every configuration on the same dr
     steady  8 users (300-token prompts, 100-300 streamed tokens, think ~0.5 s, each on its own
             plan) and a 20k prompt every ~10 s (Poisson, its own draws), 90 s; the users alone
             for 20 s and the 20k prompt alone three times first (`bench mixed`'s schedule)
+    pair    the seed pair: a stream B, then a 28.6k-token prompt A three times, one after the
+            other: B's worst gap during A's flight, A's time to first token against A alone
 
 The scheduler is vLLM 0.26's own AsyncScheduler with the plugin's pacing (PacedAsyncScheduler,
 the engine tests' harness: no model), configured as the stack serves the 27B hybrid: prefix
@@ -67,13 +69,13 @@ CONFIGS = {  # name -> settings over STACK_ENV; the first two are rows the H200 
 MEASURED = {
     "run-0bbf63f": {
         "as shipped (44 ms)": {"short_cost_ms_p50": 37.7, "short_cost_x_step_p50": 2.48, "gaps_ms_p99": 43.2,
-                               "gaps_x_alone_p99": 1.16, "long_x_p50": 1.76},
+                               "gaps_x_alone_p99": 1.16, "long_x_p50": 1.76, "b_max_ms": 45.2, "a_x": 1.51},
         "target 30 ms": {"short_cost_ms_p50": 29.1, "short_cost_x_step_p50": 1.91, "gaps_ms_p99": 31.0,
                          "gaps_x_alone_p99": 1.21, "long_x_p50": 2.18},
     },
     "run-b088fbb": {
         "as shipped (44 ms)": {"short_cost_ms_p50": 37.6, "short_cost_x_step_p50": 1.80, "gaps_ms_p99": 44.3,
-                               "gaps_x_alone_p99": 1.18, "long_x_p50": 1.88},
+                               "gaps_x_alone_p99": 1.18, "long_x_p50": 1.88, "b_max_ms": 48.5, "a_x": 1.65},
     },
 }
 
@@ -286,22 +288,48 @@ def steady_part(d: Driver, seed: int) -> dict:
             "long_x_max": max(mixed["long_ttft_s"]) / alone_s}
 
 
+def pair_part(d: Driver, runs: int = 3, a_tokens: int = 28_600) -> dict:
+    """The seed pair on one server: A alone, then B streaming and A ``runs`` times beside it."""
+    alone = d.send(a_tokens, 10, "a", d.engine.now)
+    d.run(done=lambda: alone in d.engine.finished)
+    d.engine.drain()
+    b = d.send(40, 100_000, "b", d.engine.now)
+    d.run(done=lambda: bool(d.traces[b].tokens))
+    worst, a_x = [], []
+    for _ in range(runs):
+        t = d.engine.now + 1.0
+        sent: list[str] = []
+        d.at(t, lambda t=t: sent.append(d.send(a_tokens, 10, "a", t)))
+        d.run(done=lambda: bool(sent) and sent[0] in d.engine.finished)
+        a = d.traces[sent[0]]
+        first = a.tokens[0]
+        gaps = [y - x for x, y in zip(d.traces[b].tokens, d.traces[b].tokens[1:]) if y > a.sent and x < first]
+        worst.append(max(gaps) * 1e3)
+        a_x.append(a.ttft / d.traces[alone].ttft)
+    d.engine.scheduler.finish_requests(b, _finished_status())
+    d.run(done=lambda: not d.engine.scheduler.has_requests())
+    d.engine.drain()
+    return {"b_max_ms": max(worst), "b_max_ms_runs": worst, "a_x": max(a_x), "a_x_runs": a_x}
+
+
 def run_one(name: str, settings: dict, seed: int, law: StepLaw, model: Path) -> dict:
     engine = fresh_engine(settings, law, model)
     d = Driver(engine, random.Random(f"{seed}-tokens"))
     warm_up(d)
     short = short_part(d, seed)
     steady = steady_part(d, seed)
+    pair = pair_part(d) if seed == 0 else {}  # the pair has no draws: one seed says it all
     return {"config": name, "settings": settings, "seed": seed, "steps": len(engine.steps),
-            **{f"short_{k}": v for k, v in short.items()}, **steady}
+            **{f"short_{k}": v for k, v in short.items()}, **steady, **pair}
 
 
 KEYS = ["short_cost_ms_p50", "short_cost_x_step_p50", "short_cost_x_step_max", "short_ttft_ms_p50",
-        "gaps_ms_p99", "gaps_x_alone_p99", "ttft_ms_p99", "long_x_p50"]
+        "gaps_ms_p99", "gaps_x_alone_p99", "ttft_ms_p99", "long_x_p50", "b_max_ms", "a_x"]
 COLUMNS = [("config", "config"), ("short_cost_ms_p50", "short cost p50 ms"), ("short_cost_x_step_p50", "x step p50"),
            ("short_cost_x_step_max", "x step max"), ("short_ttft_ms_p50", "its TTFT p50 ms"),
            ("gaps_ms_p99", "steady gaps p99 ms"), ("gaps_x_alone_p99", "x users alone"),
-           ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x alone")]
+           ("ttft_ms_p99", "TTFT p99 ms"), ("long_x_p50", "long p50 x alone"), ("b_max_ms", "pair B max ms"),
+           ("a_x", "pair A x alone")]
 
 
 def summarize(runs: list[dict], measured: dict) -> list[dict]:
@@ -311,7 +339,8 @@ def summarize(runs: list[dict], measured: dict) -> list[dict]:
         mine = [r for r in runs if r["config"] == name]
         row = {"config": name}
         for k in KEYS:
-            lo, hi = min(r[k] for r in mine), max(r[k] for r in mine)
+            values = [r[k] for r in mine if k in r]
+            lo, hi = min(values), max(values)
             row[k] = f"{lo:.2f}-{hi:.2f}" if hi < 10 else f"{lo:.1f}-{hi:.1f}"
         rows.append(row)
         if name in measured:
