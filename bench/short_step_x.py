@@ -175,12 +175,18 @@ def fresh_engine(settings: dict, law: StepLaw, model: Path):
     from prefill_gate.engine_patches.pacing import PacedAsyncScheduler
     from tests.engine.harness import Engine, build
 
-    for key in [k for k in os.environ if k.startswith("PREFILL_GATE_PACING")]:
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PREFILL_GATE_PACING")}
+    for key in saved:  # the scheduler reads its settings once, here: only these
         del os.environ[key]
     os.environ.update({**STACK_ENV, **settings})
-    scheduler = build(PacedAsyncScheduler, model, block_size=BLOCK, hybrid_align=True, enable_prefix_caching=True,
-                      num_blocks=600, max_num_seqs=64, max_num_batched_tokens=2048, async_scheduling=True,
-                      graph_sizes=GRAPH_SIZES, graph_mode="FULL")
+    try:
+        scheduler = build(PacedAsyncScheduler, model, block_size=BLOCK, hybrid_align=True, enable_prefix_caching=True,
+                          num_blocks=600, max_num_seqs=64, max_num_batched_tokens=2048, async_scheduling=True,
+                          graph_sizes=GRAPH_SIZES, graph_mode="FULL")
+    finally:
+        for key in [k for k in os.environ if k.startswith("PREFILL_GATE_PACING")]:
+            del os.environ[key]
+        os.environ.update(saved)
     return Engine(scheduler, depth=2, cost=law)
 
 

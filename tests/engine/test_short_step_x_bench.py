@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def test_the_driver_sees_every_token_once_at_its_steps_end(bench, tmp_path, tiny
     law_file = tmp_path / "steps.json"
     law_file.write_text(json.dumps({"rows": [{"graph_size": s, "median_ms": 15 + 0.09 * s}
                                              for s in (8, 16, 32, 64, 128, 160, 192, 224, 256, 320)]}))
+    before = dict(os.environ)
     engine = bench.fresh_engine({}, bench.StepLaw(law_file), tiny_model)
+    assert dict(os.environ) == before  # the stack's settings reach this scheduler, not the process
     d = bench.Driver(engine, random.Random(0))
     done = []
     stream = d.send(40, 50, "s", 0.0, done.append)
