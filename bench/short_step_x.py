@@ -63,7 +63,12 @@ CONFIGS = {  # name -> settings over STACK_ENV; the first two are rows the H200 
     "target 30 ms": {"PREFILL_GATE_PACING_TARGET_ITL_MS": "30"},
     "SHORT_STEP_X=2": {"PREFILL_GATE_PACING_SHORT_STEP_X": "2"},
     "SHORT_STEP_X=1.8": {"PREFILL_GATE_PACING_SHORT_STEP_X": "1.8"},
+    # new requests beside a long prompt: short ones first with no share kept for the long one
+    "LONG_MIN_SHARE=0": {"PREFILL_GATE_PACING_LONG_MIN_SHARE": "0"},
+    "SHORT_STEP_X=2 LONG_MIN_SHARE=0": {"PREFILL_GATE_PACING_SHORT_STEP_X": "2",
+                                        "PREFILL_GATE_PACING_LONG_MIN_SHARE": "0"},
 }
+DEFAULT_CONFIGS = list(CONFIGS)[:4]
 # What the cards measured, by the law's run: the H200's (run-0bbf63f's README: the stack's row,
 # target30/) and an H100's (run-b088fbb's defaults.json, the stack's row).
 MEASURED = {
@@ -360,7 +365,8 @@ def main() -> int:
     p.add_argument("--law", type=Path, default=LAW, help="step_sizes.py's JSON of the card's steps")
     p.add_argument("--decode-ms", type=float, default=DECODE_MS,
                    help="a step without prefill on that card (default: %(default)s, the H200's)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="which of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated, of: " + "; ".join(CONFIGS) + " (default: the first four)")
     p.add_argument("--json")
     args = p.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
