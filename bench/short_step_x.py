@@ -170,10 +170,9 @@ class Driver:
             for rid in got:
                 if rid in self.traces:
                     self.traces[rid].tokens.append(at)
-            for rid, index in list(engine.finished.items()):
-                if index == i and rid in self.on_done:
-                    self.traces[rid].end = at
-                    self.on_done.pop(rid)(rid)
+            for rid in [r for r in self.on_done if engine.finished.get(r) == i]:  # the few awaited
+                self.traces[rid].end = at
+                self.on_done.pop(rid)(rid)
 
 
 def fresh_engine(settings: dict, law: StepLaw, model: Path):
