@@ -136,6 +136,14 @@ class Driver:
             self.on_done[rid] = on_done
         return rid
 
+    def abort(self, rids: list[str]) -> None:
+        """End these requests as a client that hangs up would, and run until the engine is idle."""
+        from vllm.v1.request import RequestStatus
+
+        self.engine.scheduler.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+        self.run(done=lambda: not self.engine.scheduler.has_requests())
+        self.engine.drain()
+
     def drop_pending(self) -> None:
         """Forget arrivals not yet due (a phase's users' turns past its end)."""
         self._events.clear()
@@ -223,10 +231,7 @@ def short_part(d: Driver, seed: int, shape: ShortShape = ShortShape()) -> dict:
         d.at(t, lambda t=t, tokens=tokens: prompts.append(d.send(tokens, 1, "p", t)))
     d.run(until=end)
     d.run(done=lambda: all(p in d.engine.finished for p in prompts))
-    for s in streams:  # the streams end here: their tokens so far are what was measured
-        d.engine.scheduler.finish_requests(s, _finished_status())
-    d.run(done=lambda: not d.engine.scheduler.has_requests())
-    d.engine.drain()
+    d.abort(streams)  # the streams end here: their tokens so far are what was measured
     cost, quiet = costs([d.traces[s] for s in streams], [d.traces[p] for p in prompts])
     step = statistics.median(quiet) * 1e3
     ms = [c * 1e3 for c in cost]
@@ -234,12 +239,6 @@ def short_part(d: Driver, seed: int, shape: ShortShape = ShortShape()) -> dict:
     return {"prompts": len(prompts), "step_ms_p50": step, "cost_ms_p50": percentile(ms, 50),
             "cost_ms_p90": percentile(ms, 90), "cost_ms_max": max(ms), "cost_x_step_p50": percentile(ms, 50) / step,
             "cost_x_step_max": max(ms) / step, "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99)}
-
-
-def _finished_status():
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.FINISHED_ABORTED
 
 
 def users_phase(d: Driver, shape: MixedShape, seed: int, duration: float, with_long: bool) -> dict:
@@ -316,9 +315,7 @@ def pair_part(d: Driver, runs: int = 3, a_tokens: int = 28_600) -> dict:
         gaps = [y - x for x, y in zip(d.traces[b].tokens, d.traces[b].tokens[1:]) if y > a.sent and x < first]
         worst.append(max(gaps) * 1e3)
         a_x.append(a.ttft / d.traces[alone].ttft)
-    d.engine.scheduler.finish_requests(b, _finished_status())
-    d.run(done=lambda: not d.engine.scheduler.has_requests())
-    d.engine.drain()
+    d.abort([b])
     return {"b_max_ms": max(worst), "b_max_ms_runs": worst, "a_x": max(a_x), "a_x_runs": a_x}
 
 
