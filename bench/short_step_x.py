@@ -67,6 +67,10 @@ CONFIGS = {  # name -> settings over STACK_ENV; the first two are rows the H200 
     "LONG_MIN_SHARE=0": {"PREFILL_GATE_PACING_LONG_MIN_SHARE": "0"},
     "SHORT_STEP_X=2 LONG_MIN_SHARE=0": {"PREFILL_GATE_PACING_SHORT_STEP_X": "2",
                                         "PREFILL_GATE_PACING_LONG_MIN_SHARE": "0"},
+    # the H100's ~21 ms step: 1.5x it is the H200's 2x 15.2 ms, where 2 changes nothing
+    "SHORT_STEP_X=1.5": {"PREFILL_GATE_PACING_SHORT_STEP_X": "1.5"},
+    "SHORT_STEP_X=1.5 LONG_MIN_SHARE=0": {"PREFILL_GATE_PACING_SHORT_STEP_X": "1.5",
+                                          "PREFILL_GATE_PACING_LONG_MIN_SHARE": "0"},
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:4]
 # What the cards measured, by the law's run: the H200's (run-0bbf63f's README: the stack's row,
