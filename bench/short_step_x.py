@@ -85,6 +85,10 @@ MEASURED = {
     "run-b088fbb": {
         "as shipped (44 ms)": {"short_cost_ms_p50": 37.6, "short_cost_x_step_p50": 1.80, "gaps_ms_p99": 44.3,
                                "gaps_x_alone_p99": 1.18, "long_x_p50": 1.88, "b_max_ms": 48.5, "a_x": 1.65},
+        # another H100, run-7c98b03 (its as-shipped row there: 37.2 ms, 1.83x)
+        "SHORT_STEP_X=1.5": {"short_cost_ms_p50": 28.7, "short_cost_x_step_p50": 1.42, "short_cost_x_step_max": 1.84,
+                             "short_ttft_ms_p50": 118.8},
+        "LONG_MIN_SHARE=0": {"gaps_ms_p99": 44.8, "gaps_x_alone_p99": 1.21, "ttft_ms_p99": 314.2, "long_x_p50": 1.85},
     },
 }
 
