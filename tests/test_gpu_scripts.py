@@ -100,11 +100,17 @@ def test_one_server_at_a_time_runs_the_rows_of_each_in_its_own_call(tmp_path):
         assert both.returncode == 2 and "one server at a time" in both.stdout, both.stdout[-2000:]
         assert not up(ports[0]) and not up(ports[1])  # refused before starting either
 
+        stale = tmp_path / "out" / "work" / "paced-trace.jsonl"  # an earlier paced server's trace
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text('{"step": 1}\n')
         first = run("direct")
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         assert up(ports[0]) and not up(ports[1])
+        assert not (tmp_path / "out" / "paced-trace.jsonl.gz").exists()  # not this call's server's
 
+        env["TRACE"] = "1"
         second = run("stack")
+        del env["TRACE"]
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
         assert f"stopping the server on :{ports[0]}" in second.stdout
         assert not up(ports[0]) and up(ports[1])
@@ -112,12 +118,15 @@ def test_one_server_at_a_time_runs_the_rows_of_each_in_its_own_call(tmp_path):
         assert set(merged["rows"]) == {"direct", "stack"}
         assert {c["metric"] for c in merged["checks"]} == {"short_cost_x_step_p50", "short_cost_x_step_max"}
 
-        # CONTROL: the paced server's part again under another target, on the same server
+        assert (tmp_path / "out" / "paced-trace.jsonl.gz").exists()
+        # CONTROL: the paced server's part again under another target, on the same server, which
+        # keeps its trace without TRACE=1 here (a server started with it is still this run's)
         control = tmp_path / "out" / "work" / "control.env"
         env["CONTROL"] = "PREFILL_GATE_PACING_TARGET_ITL_MS=40"
         variant = run("stack")
         assert variant.returncode == 0, variant.stdout[-3000:] + variant.stderr[-3000:]
         assert "stopping the server" not in variant.stdout and up(ports[1])
+        assert (tmp_path / "out" / "paced-trace.jsonl.gz").exists()
         assert "control: PREFILL_GATE_PACING_TARGET_ITL_MS=40" in variant.stdout and "target 40.0 ms" in variant.stdout
         assert (tmp_path / "out" / "work" / "variant-PACING-TARGET-ITL-MS-40").is_dir()
         assert control.read_text() == ""  # the server's own settings back

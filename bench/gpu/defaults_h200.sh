@@ -54,7 +54,8 @@
 #   settings layered over its own through its control file (e.g. PREFILL_GATE_PACING_TARGET_ITL_MS=40,
 #   or the GDN patch's: PREFILL_GATE_FAST_LAUNCH=on, PREFILL_GATE_GDN_RECURRENT=off for vLLM's path),
 #   no restart; their parts in WORK/variant-VARIANT (VARIANT: a name, default from CONTROL), OUT as
-#   usual; the server gets its own settings back after. Keep WORK: another WORK restarts the servers.
+#   usual; the server gets its own settings back after. Keep WORK: another WORK restarts the servers
+#   (TRACE: the running server's, unless set).
 set -u
 OUT=${1:-out/defaults}
 CLASS=${CLASS:-dense}
@@ -136,6 +137,12 @@ export PREFILL_GATE_GC_LOG_MS=${PREFILL_GATE_GC_LOG_MS:-20}
 # TRACE=1: the paced server writes a JSON line a step (PREFILL_GATE_PACING_TRACE_FILE; its `unix`
 # beside each phase's t0_unix + worst_gaps says whether a stall of every stream was a long step or
 # came after the step); OUT gets it compressed. A diagnosis: a line written a step.
+# A CONTROL call reuses the paced server that is up, so it takes that server's trace setting rather
+# than restart it as another configuration (the trace then holds the variant's steps too).
+if [ -n "${CONTROL:-}" ] && [ -z "${TRACE:-}" ] \
+    && grep -qF "PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl" "$SERVERS_MARK" 2>/dev/null; then
+  TRACE=1
+fi
 [ "${TRACE:-0}" = 1 ] && PACED_ENV+=(PREFILL_GATE_PACING_TRACE_FILE=$RES/paced-trace.jsonl)
 # PROFILE=1: vLLM's torch profiler, armed on the paced server (it records only between
 # /start_profile and /stop_profile; the server must start with it: the call that starts it, or a
@@ -323,7 +330,12 @@ grep -H "cycle collector held" "$RES"/server-*.log "$RES"/proxy-*.log 2>/dev/nul
 # hundreds of ms: a step the warm-up did not cover; none on the paced server at ed51eec).
 grep -H "JIT compilation during inference" "$RES"/server-*.log 2>/dev/null | tail -200 > "$LOGS/jit-in-service.log"
 tar czf "$OUT/defaults-logs.tar.gz" -C "$LOGS" .
-[ -f "$RES/paced-trace.jsonl" ] && gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
+# only this call's server's trace: a file left by an earlier server that traced is not this one's
+if [ "${TRACE:-0}" = 1 ] && [ -f "$RES/paced-trace.jsonl" ]; then
+  gzip -c "$RES/paced-trace.jsonl" > "$OUT/paced-trace.jsonl.gz"
+else
+  rm -f "$OUT/paced-trace.jsonl.gz"
+fi
 tar czf "$OUT/defaults-parts.tar.gz" -C "$RES" --exclude='server-*.log' --exclude=paced-trace.jsonl --exclude=prof \
   --exclude=logs . 2>/dev/null
 n=$(find "$OUT" -path "$RES" -prune -o -type f -print | wc -l)  # (a dry run's WORK is inside OUT)
