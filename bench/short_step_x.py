@@ -23,9 +23,12 @@ caching in align mode with blocks of 1,568 tokens, --max-num-batched-tokens 2048
 prompts first. A fake clock gives each step what the H200 measured for steps of its size
 (`--law`, step_sizes.py's medians of run-0bbf63f's steady load: a mixed step padded to a graph
 size takes that size's median; a step with no prefill the streams' 15.2 ms; a step past the
-graphs, or with no decodes, 15.2 ms + the 256-token graph's cost a token). Medians only: no
-step here runs slow, so maxima and p99s are the law's, not the card's. Prompts are distinct
-token lists (no prefix hits between them).
+graphs, or with no decodes, 15.2 ms + the 256-token graph's cost a token). Medians only by
+default: no step runs slow, so maxima and p99s are the law's, not the card's. `--noise N` runs
+each configuration N more times with every step's median times a ratio drawn from what the card's
+own steps of that kind did (`StepNoise`: the law run's step trace), so that the figures' range
+shows how far one run of the same draws can land from another. Prompts are distinct token lists
+(no prefix hits between them).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+
+import step_sizes  # noqa: E402
 
 from prefill_gate.proxy.bench.mixed import MixedShape, make_schedule  # noqa: E402
 from prefill_gate.proxy.bench.overlap import Trace  # noqa: E402
@@ -116,6 +122,40 @@ class StepLaw:
 
     def __call__(self, step, scheduler) -> float:
         return self.seconds(step.output.total_num_scheduled_tokens, step.prefill_tokens, len(step.decode_tokens))
+
+
+class StepNoise:
+    """A step's time over its kind's median, as the card's own steps had it, drawn one a step.
+
+    From the law run's step trace (PREFILL_GATE_PACING_TRACE_FILE): every traced step with decodes
+    whose two next steps have decodes too (around a prefill-only step or a request's end the
+    interval between calls is not one step's time: such intervals, 3-11x a step, are left out),
+    grouped as mixed or decode-only and by CUDA-graph size (groups of 5 steps or more), each
+    step's time divided by its group's median. Drawn independently for every step: a host
+    stall that lasts several steps on the card is here several independent draws, and the trace's
+    own pacing and load decide how often each kind of step was slow.
+    """
+
+    def __init__(self, trace: Path, rng: random.Random):
+        records = step_sizes.read(trace)
+        groups: dict[tuple[bool, int | None], list[float]] = {}
+        for r, nxt, after in zip(records, records[1:], records[2:]):
+            if not (r.get("decode_rows") and nxt.get("decode_rows") and after.get("decode_rows")):
+                continue
+            seconds = after["t"] - nxt["t"]  # async scheduling: a step runs from the next call to the one after
+            if 0 < seconds < step_sizes.IDLE_S:
+                groups.setdefault((bool(r.get("chunks")), r.get("graph_size")), []).append(seconds)
+        self.ratios: dict[bool, list[float]] = {True: [], False: []}
+        for (mixed, _), times in groups.items():
+            if len(times) >= 5:
+                median = statistics.median(times)
+                self.ratios[mixed] += [t / median for t in times]
+        if not (self.ratios[True] and self.ratios[False]):
+            raise ValueError(f"{trace}: too few traced steps to draw both kinds' noise from")
+        self.rng = rng
+
+    def __call__(self, mixed: bool) -> float:
+        return self.rng.choice(self.ratios[mixed])
 
 
 class Driver:
@@ -191,7 +231,7 @@ class Driver:
                 self.on_done.pop(rid)(rid)
 
 
-def fresh_engine(settings: dict, law: StepLaw, model: Path):
+def fresh_engine(settings: dict, law: StepLaw, model: Path, noise: StepNoise | None = None):
     from prefill_gate.engine_patches.pacing import PacedAsyncScheduler
     from tests.engine.harness import Engine, build
 
@@ -207,7 +247,9 @@ def fresh_engine(settings: dict, law: StepLaw, model: Path):
         for key in [k for k in os.environ if k.startswith("PREFILL_GATE_PACING")]:
             del os.environ[key]
         os.environ.update(saved)
-    return Engine(scheduler, depth=2, cost=law)
+    if noise is None:
+        return Engine(scheduler, depth=2, cost=law)
+    return Engine(scheduler, depth=2, cost=lambda step, sched: law(step, sched) * noise(bool(step.prefill_tokens)))
 
 
 def warm_up(d: Driver) -> None:
@@ -327,14 +369,15 @@ def pair_part(d: Driver, runs: int = 3, a_tokens: int = 28_600) -> dict:
     return {"b_max_ms": max(worst), "b_max_ms_runs": worst, "a_x": max(a_x), "a_x_runs": a_x}
 
 
-def run_one(name: str, settings: dict, seed: int, law: StepLaw, model: Path) -> dict:
-    engine = fresh_engine(settings, law, model)
+def run_one(name: str, settings: dict, seed: int, law: StepLaw, model: Path, noise: StepNoise | None = None,
+            noise_seed: int | None = None) -> dict:
+    engine = fresh_engine(settings, law, model, noise)
     d = Driver(engine, random.Random(f"{seed}-tokens"))
     warm_up(d)
     short = short_part(d, seed)
     steady = steady_part(d, seed)
     pair = pair_part(d) if seed == 0 else {}  # the pair has no draws: one seed says it all
-    return {"config": name, "settings": settings, "seed": seed, "steps": len(engine.steps),
+    return {"config": name, "settings": settings, "seed": seed, "noise_seed": noise_seed, "steps": len(engine.steps),
             **{f"short_{k}": v for k, v in short.items()}, **steady, **pair}
 
 
@@ -371,6 +414,11 @@ def main() -> int:
                    help="a step without prefill on that card (default: %(default)s, the H200's)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="comma-separated, of: " + "; ".join(CONFIGS) + " (default: the first four)")
+    p.add_argument("--noise", type=int, default=0, metavar="N",
+                   help="N runs of each seed and configuration with the card's step noise (StepNoise) "
+                        "instead of one on medians only (default: 0, medians only)")
+    p.add_argument("--trace", type=Path,
+                   help="the step trace the noise is drawn from (default: paced-trace.jsonl.gz beside --law)")
     p.add_argument("--json")
     args = p.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -378,6 +426,8 @@ def main() -> int:
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     law = StepLaw(args.law, args.decode_ms)
+    trace = args.trace or args.law.parent / "paced-trace.jsonl.gz"
+    noise_seeds = list(range(args.noise)) or [None]
     measured = MEASURED.get(args.law.resolve().parent.name, {})
     from tests.engine.harness import model_dir
 
@@ -385,15 +435,21 @@ def main() -> int:
     runs = []
     for seed in range(args.seeds):
         for name in names:
-            run = run_one(name, CONFIGS[name], seed, law, model)
-            runs.append(run)
-            print(f"[short_step_x] seed {seed} {name}: short {run['short_cost_ms_p50']:.1f} ms "
-                  f"({run['short_cost_x_step_p50']:.2f}x), long {run['long_x_p50']:.2f}x", flush=True)
+            for k in noise_seeds:
+                # each configuration draws the same noise sequence for a (seed, k)
+                noise = None if k is None else StepNoise(trace, random.Random(f"{seed}-{k}-noise"))
+                run = run_one(name, CONFIGS[name], seed, law, model, noise, k)
+                runs.append(run)
+                print(f"[short_step_x] seed {seed}{'' if k is None else f' noise {k}'} {name}: short "
+                      f"{run['short_cost_ms_p50']:.1f} ms ({run['short_cost_x_step_p50']:.2f}x), TTFT p99 "
+                      f"{run['ttft_ms_p99']:.1f} ms, long {run['long_x_p50']:.2f}x", flush=True)
     rows = summarize(runs, measured)
     print(table(rows, COLUMNS))
     result = {"bench": "short_step_x", "model": "vLLM 0.26 AsyncScheduler + PacedAsyncScheduler on a fake clock",
               "law": str(args.law.resolve().relative_to(Path(__file__).resolve().parents[1])),
               "law_ms": {str(k): round(v * 1e3, 2) for k, v in law.mixed.items()}, "decode_ms": law.decode * 1e3,
+              "noise": {"runs": args.noise, "trace": str(trace.resolve().relative_to(Path(__file__).resolve().parents[1]))}
+              if args.noise else None,
               "stack_env": STACK_ENV, "measured": measured, "summary": rows, "runs": runs, **environment()}
     if args.json:
         write_json(args.json, result)
