@@ -116,8 +116,10 @@ class StepLaw:
             padded = self.sizes[bisect.bisect_left(self.sizes, tokens)]
             if padded in self.mixed:
                 return self.mixed[padded]
-            below = max(s for s in self.mixed if s < padded)  # 384-512: measured rarely or never
-            return self.mixed[below] + self.per_token * (padded - below)
+            below = max((s for s in self.mixed if s < padded), default=None)  # 384-512: measured rarely or never
+            if below is not None:
+                return self.mixed[below] + self.per_token * (padded - below)
+            # smaller than any size measured (a prompt's last few tokens beside a decode or two)
         return self.decode + self.per_token * prefill
 
     def __call__(self, step, scheduler) -> float:

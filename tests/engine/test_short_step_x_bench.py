@@ -34,6 +34,7 @@ def test_the_law_charges_a_step_its_graph_sizes_median(bench, tmp_path):
     assert law.seconds(400, 396, 4) == pytest.approx(0.047 + per_token * 128)  # 448: from 320 up
     assert law.seconds(1568, 1568, 0) == pytest.approx(0.015 + per_token * 1568)  # no decodes: no graph
     assert law.seconds(1000, 996, 4) == pytest.approx(0.015 + per_token * 996)  # past the graphs
+    assert law.seconds(3, 2, 1) == pytest.approx(0.015 + per_token * 2)  # below every size measured
 
 
 def test_the_driver_sees_every_token_once_at_its_steps_end(bench, tmp_path, tiny_model):
