@@ -25,7 +25,7 @@ prompts first. A fake clock gives each step what the H200 measured for steps of 
 size takes that size's median; a step with no prefill the streams' 15.2 ms; a step past the
 graphs, or with no decodes, 15.2 ms + the 256-token graph's cost a token). Medians only by
 default: no step runs slow, so maxima and p99s are the law's, not the card's. `--noise N` runs
-each configuration N more times with every step's median times a ratio drawn from what the card's
+each configuration N times instead, every step's median times a ratio drawn from what the card's
 own steps of that kind did (`StepNoise`: the law run's step trace), so that the figures' range
 shows how far one run of the same draws can land from another. Prompts are distinct token lists
 (no prefix hits between them).
@@ -43,6 +43,7 @@ import random
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,10 +136,11 @@ class StepNoise:
     grouped as mixed or decode-only and by CUDA-graph size (groups of 5 steps or more), each
     step's time divided by its group's median. Drawn independently for every step: a host
     stall that lasts several steps on the card is here several independent draws, and the trace's
-    own pacing and load decide how often each kind of step was slow.
+    own pacing and load decide how often each kind of step was slow. Read once; each run draws
+    with a generator of its own (`drawn_with`).
     """
 
-    def __init__(self, trace: Path, rng: random.Random):
+    def __init__(self, trace: Path):
         records = step_sizes.read(trace)
         groups: dict[tuple[bool, int | None], list[float]] = {}
         for r, nxt, after in zip(records, records[1:], records[2:]):
@@ -154,10 +156,10 @@ class StepNoise:
                 self.ratios[mixed] += [t / median for t in times]
         if not (self.ratios[True] and self.ratios[False]):
             raise ValueError(f"{trace}: too few traced steps to draw both kinds' noise from")
-        self.rng = rng
 
-    def __call__(self, mixed: bool) -> float:
-        return self.rng.choice(self.ratios[mixed])
+    def drawn_with(self, rng: random.Random) -> Callable[[bool], float]:
+        """A step's ratio (mixed: it prefills) from ``rng``."""
+        return lambda mixed: rng.choice(self.ratios[mixed])
 
 
 class Driver:
@@ -233,7 +235,7 @@ class Driver:
                 self.on_done.pop(rid)(rid)
 
 
-def fresh_engine(settings: dict, law: StepLaw, model: Path, noise: StepNoise | None = None):
+def fresh_engine(settings: dict, law: StepLaw, model: Path, noise: Callable[[bool], float] | None = None):
     from prefill_gate.engine_patches.pacing import PacedAsyncScheduler
     from tests.engine.harness import Engine, build
 
@@ -249,9 +251,8 @@ def fresh_engine(settings: dict, law: StepLaw, model: Path, noise: StepNoise | N
         for key in [k for k in os.environ if k.startswith("PREFILL_GATE_PACING")]:
             del os.environ[key]
         os.environ.update(saved)
-    if noise is None:
-        return Engine(scheduler, depth=2, cost=law)
-    return Engine(scheduler, depth=2, cost=lambda step, sched: law(step, sched) * noise(bool(step.prefill_tokens)))
+    cost = law if noise is None else lambda step, sched: law(step, sched) * noise(bool(step.prefill_tokens))
+    return Engine(scheduler, depth=2, cost=cost)
 
 
 def warm_up(d: Driver) -> None:
@@ -371,8 +372,8 @@ def pair_part(d: Driver, runs: int = 3, a_tokens: int = 28_600) -> dict:
     return {"b_max_ms": max(worst), "b_max_ms_runs": worst, "a_x": max(a_x), "a_x_runs": a_x}
 
 
-def run_one(name: str, settings: dict, seed: int, law: StepLaw, model: Path, noise: StepNoise | None = None,
-            noise_seed: int | None = None) -> dict:
+def run_one(name: str, settings: dict, seed: int, law: StepLaw, model: Path,
+            noise: Callable[[bool], float] | None = None, noise_seed: int | None = None) -> dict:
     engine = fresh_engine(settings, law, model, noise)
     d = Driver(engine, random.Random(f"{seed}-tokens"))
     warm_up(d)
@@ -429,6 +430,7 @@ def main() -> int:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     law = StepLaw(args.law, args.decode_ms)
     trace = args.trace or args.law.parent / "paced-trace.jsonl.gz"
+    noise = StepNoise(trace) if args.noise else None
     noise_seeds = list(range(args.noise)) or [None]
     measured = MEASURED.get(args.law.resolve().parent.name, {})
     from tests.engine.harness import model_dir
@@ -439,8 +441,8 @@ def main() -> int:
         for name in names:
             for k in noise_seeds:
                 # each configuration draws the same noise sequence for a (seed, k)
-                noise = None if k is None else StepNoise(trace, random.Random(f"{seed}-{k}-noise"))
-                run = run_one(name, CONFIGS[name], seed, law, model, noise, k)
+                draw = None if k is None else noise.drawn_with(random.Random(f"{seed}-{k}-noise"))
+                run = run_one(name, CONFIGS[name], seed, law, model, draw, k)
                 runs.append(run)
                 print(f"[short_step_x] seed {seed}{'' if k is None else f' noise {k}'} {name}: short "
                       f"{run['short_cost_ms_p50']:.1f} ms ({run['short_cost_x_step_p50']:.2f}x), TTFT p99 "

@@ -74,7 +74,7 @@ def test_the_noise_is_each_steps_time_over_its_kinds_median(bench, tmp_path):
     decodes = [(4, 0, 0.020)] * 5 + [(4, 0, 0.030)] + [(4, 0, 0.020)] * 4  # one decode step 1.5x
     prefill_only = [(0, 1568, 0.150)]  # its neighbours' intervals are not a decode step's time
     mixed = [(4, 252, 0.040)] * 4 + [(4, 252, 0.048)] + [(4, 252, 0.040)] * 5  # one mixed step 1.2x
-    noise = bench.StepNoise(_trace(tmp_path / "t.jsonl", decodes + prefill_only + mixed), random.Random(0))
+    noise = bench.StepNoise(_trace(tmp_path / "t.jsonl", decodes + prefill_only + mixed))
     assert max(noise.ratios[False]) == pytest.approx(1.5) and min(noise.ratios[False]) == pytest.approx(1.0)
     assert max(noise.ratios[True]) == pytest.approx(1.2) and min(noise.ratios[True]) == pytest.approx(1.0)
     # the 1.5x decode step seen once, the 150 ms around the prefill-only step never
@@ -82,7 +82,8 @@ def test_the_noise_is_each_steps_time_over_its_kinds_median(bench, tmp_path):
     # the 10 decode steps but the two whose next two calls include the prefill-only one; the mixed
     # steps but the last two (the trace ends: no call after them)
     assert len(noise.ratios[False]) == 8 and len(noise.ratios[True]) == 8
-    draws = [noise(True) for _ in range(200)]
+    draw = noise.drawn_with(random.Random(0))
+    draws = [draw(True) for _ in range(200)]
     assert set(round(r, 6) for r in draws) == {1.0, 1.2}
 
 
@@ -90,12 +91,11 @@ def test_a_noisy_engine_charges_the_law_times_the_draw(bench, tmp_path, tiny_mod
     law_file = tmp_path / "steps.json"
     law_file.write_text(json.dumps({"rows": [{"graph_size": 256, "median_ms": 38.0}]}))
     law = bench.StepLaw(law_file, decode_ms=15.0)
-    noise = bench.StepNoise(_trace(tmp_path / "t.jsonl", [(4, 0, 0.02)] * 8 + [(4, 252, 0.04)] * 8),
-                            random.Random(0))
+    noise = bench.StepNoise(_trace(tmp_path / "t.jsonl", [(4, 0, 0.02)] * 8 + [(4, 252, 0.04)] * 8))
     ttft = {}
     for ratio in (1.0, 2.0):
         noise.ratios = {True: [ratio], False: [1.0]}
-        d = bench.Driver(bench.fresh_engine({}, law, tiny_model, noise), random.Random(0))
+        d = bench.Driver(bench.fresh_engine({}, law, tiny_model, noise.drawn_with(random.Random(0))), random.Random(0))
         rid = d.send(3000, 1, "p", 0.0)
         d.run(done=lambda: rid in d.engine.finished)
         ttft[ratio] = d.traces[rid].ttft
